@@ -1,0 +1,125 @@
+"""What each torchrun rank runs: `python -m pipeline.titan_entry <run_dir>/run.json`.
+
+Applies the torchtitan glue for the target, turns the RunSpec into a torchtitan
+Trainer.Config, and runs torchtitan's trainer exactly as `torchtitan.train` does.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from pipeline import titan_glue
+from pipeline.run_spec import RunSpec
+
+LOCAL_DATASET = "pipeline_local"
+MEMORY_KIND = {"cpu": "peak RSS (CPU)", "cuda": "CUDA reserved", "trn2": "HBM reserved"}
+
+
+def _register_local_dataset(data_file: str) -> None:
+    from datasets import load_dataset
+    from torchtitan.hf_datasets import DatasetConfig
+    from torchtitan.hf_datasets.text_datasets import DATASETS
+
+    DATASETS[LOCAL_DATASET] = DatasetConfig(
+        path=data_file,
+        loader=lambda path: load_dataset("json", data_files=path, split="train"),
+        sample_processor=lambda sample: sample["text"],
+    )
+
+
+def _activation_checkpoint(kind: str):
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    return {"none": None, "selective": SelectiveAC.Config(), "full": FullAC.Config()}[kind]
+
+
+def build_config(spec: RunSpec):
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.config.configs import CommConfig, DebugConfig
+    from torchtitan.config.override import OverrideConfig
+    from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
+
+    from pipeline import model_builders
+    from pipeline.titan_trainer import JsonlMetricsProcessor, PipelineTrainer
+
+    run_dir = Path(spec.run_dir)
+    if spec.dataset == "local":
+        _register_local_dataset(spec.data_file)
+    model_spec = model_builders.build(spec)
+    return PipelineTrainer.Config(
+        run_dir=str(run_dir),
+        model_spec=model_spec,
+        hf_assets_path=spec.hf_dir,
+        dump_folder=str(run_dir),
+        loss=CrossEntropyLoss.Config(global_vocab_size=spec.arch["vocab_size"]),
+        metrics=JsonlMetricsProcessor.Config(
+            log_freq=1,
+            enable_tensorboard=spec.tensorboard,
+            jsonl_path=str(run_dir / "metrics.jsonl"),
+            peak_flops_per_rank=spec.peak_flops_per_rank or 0.0,
+            memory_kind=MEMORY_KIND[spec.target],
+            disable_color_printing=True,
+        ),
+        dataloader=HuggingFaceTextDataLoader.Config(
+            dataset=LOCAL_DATASET if spec.dataset == "local" else spec.dataset, infinite=True
+        ),
+        optimizer=default_adamw(lr=spec.lr, weight_decay=0.0),
+        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=spec.warmup_steps, decay_type="linear"),
+        training=TrainingConfig(
+            local_batch_size=spec.local_batch_size,
+            seq_len=spec.seq_len,
+            steps=spec.steps,
+            max_norm=spec.max_norm,
+            dtype="float32",
+            mixed_precision_param=spec.dtype,
+            disable_cuda_graphs=True,
+        ),
+        parallelism=ParallelismConfig(
+            data_parallel_shard_degree=spec.data_parallel_shard,
+            tensor_parallel_degree=spec.tensor_parallel,
+            enable_sequence_parallel=spec.sequence_parallel,
+        ),
+        checkpoint=CheckpointManager.Config(
+            enable=True,
+            folder="checkpoint",
+            interval=spec.checkpoint_interval,
+            initial_load_path=spec.hf_dir,
+            initial_load_in_hf=True,
+            initial_load_model_only=True,
+            last_save_model_only=False,
+            keep_latest_k=spec.keep_latest_k,
+            enable_first_step_checkpoint=spec.steps == 0,
+        ),
+        activation_checkpoint=_activation_checkpoint(spec.activation_checkpoint),
+        compile=CompileConfig(enable=spec.compile, backend=spec.compile_backend),
+        comm=CommConfig(init_timeout_seconds=300, train_timeout_seconds=300),
+        debug=DebugConfig(seed=spec.seed, deterministic=spec.target == "cpu"),
+        override=OverrideConfig(imports=list(spec.overrides)),
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    spec = RunSpec.load(argv[0])
+    titan_glue.apply(spec.target)
+
+    import torch
+    from torchtitan.tools.logging import init_logger, logger
+
+    init_logger()
+    trainer = build_config(spec).build()
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    logger.info("Run finished")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""torchtitan's Trainer with what this pipeline adds: metrics.jsonl and a recorded first batch.
+
+Both are torchtitan components (Configurable subclasses), so they are built the way
+torchtitan builds its own; nothing in the training loop is rewritten.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.tools.logging import logger
+from torchtitan.trainer import Trainer
+
+
+def measure_cpu_peak_flops(size: int = 1024, repeats: int = 5) -> float:
+    """Best fp32 matmul rate of this process's threads: the honest CPU 'peak' for MFU."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+class JsonlMetricsProcessor(MetricsProcessor):
+    """Adds one JSON object per logged step to metrics.jsonl and uses the target's real peak."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(MetricsProcessor.Config):
+        jsonl_path: str = ""
+        peak_flops_per_rank: float = 0.0
+        memory_kind: str = "device"
+
+    def __init__(self, config: Config, **kwargs):
+        super().__init__(config, **kwargs)
+        self.gpu_peak_flops = config.peak_flops_per_rank or measure_cpu_peak_flops()
+        self.is_writer = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+        self.world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+    def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+        elapsed = time.perf_counter() - self.time_last_log
+        tokens_per_rank = self.ntokens_since_last_log / self.parallel_dims.non_data_parallel_size
+        memory = self.device_memory_monitor.get_peak_stats()
+        tps_rank = tokens_per_rank / elapsed
+        record = {
+            "step": step,
+            "loss": global_avg_loss,
+            "grad_norm": grad_norm,
+            "step_time_s": elapsed / self.config.log_freq,
+            "tokens_per_s": tps_rank * self.world_size / self.parallel_dims.non_data_parallel_size,
+            "tokens_per_s_per_rank": tps_rank,
+            "mfu": 100 * self.num_flops_per_token * tps_rank / self.gpu_peak_flops,
+            "peak_flops_per_rank": self.gpu_peak_flops,
+            "memory_gib": memory.max_reserved_gib,
+            "memory_kind": self.config.memory_kind,
+            "time": time.time(),
+        }
+        super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
+        if self.is_writer and self.config.jsonl_path:
+            with open(self.config.jsonl_path, "a") as handle:
+                handle.write(json.dumps(record) + "\n")
+                handle.flush()
+                os.fsync(handle.fileno())
+            if step == 1:
+                print(f"step-1 loss: {global_avg_loss:.6f}", flush=True)
+
+
+class PipelineTrainer(Trainer):
+    """Saves every rank's first batch so any later check can recompute the step-1 loss."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        run_dir: str = ""
+
+    def batch_generator(self, data_iterable):
+        saved = False
+        for input_dict, labels in super().batch_generator(data_iterable):
+            # The body runs lazily: self.step is already 1 when step 1 asks for its batch.
+            if not saved and self.step == 1:
+                self._save_first_batch(input_dict, labels)
+            saved = True
+            yield input_dict, labels
+
+    def train(self):
+        self._truncate_metrics_after_checkpoint()
+        return super().train()
+
+    def _truncate_metrics_after_checkpoint(self) -> None:
+        # A resumed run repeats the steps after its last checkpoint: drop their old lines.
+        path = Path(self.config.metrics.jsonl_path) if self.config.metrics.jsonl_path else None
+        if path is None or not path.exists() or torch.distributed.get_rank() != 0:
+            return
+        lines = path.read_text().splitlines()
+        keep = [line for line in lines if line.strip() and json.loads(line)["step"] <= self._resume_step()]
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        os.replace(tmp, path)
+
+    def _resume_step(self) -> int:
+        folder = Path(self.config.dump_folder) / self.config.checkpoint.folder
+        steps = [int(p.name.split("-")[1]) for p in folder.glob("step-*") if (p / ".metadata").exists()]
+        return max(steps, default=0)
+
+    def _save_first_batch(self, input_dict, labels) -> None:
+        directory = Path(self.config.run_dir) / "first_batch"
+        directory.mkdir(parents=True, exist_ok=True)
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        tensors = {"labels": labels.contiguous()}
+        tensors |= {k: v.contiguous() for k, v in input_dict.items() if isinstance(v, torch.Tensor)}
+        tmp = directory / f".rank{rank}.tmp"
+        save_file(tensors, str(tmp))
+        os.replace(tmp, directory / f"rank{rank}.safetensors")
+        logger.info(f"Saved the first batch of rank {rank} to {directory}")
