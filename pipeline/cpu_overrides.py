@@ -61,4 +61,4 @@ def loop_experts(cfg: GroupedExperts.Config) -> LoopExperts.Config:
     return derive(cfg, LoopExperts.Config)
 
 
-CPU_OVERRIDES = [f"{__name__}.dense_mask_attention", f"{__name__}.loop_experts"]
+

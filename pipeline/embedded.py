@@ -30,10 +30,10 @@ class EmbeddedModel:
     name: str
     config: dict
     seed: int = 1234
-    steps: int = 80
-    batch_size: int = 8
-    seq_len: int = 128
-    lr: float = 4e-3
+    steps: int = 60
+    batch_size: int = 4
+    seq_len: int = 64
+    lr: float = 8e-3
     shard_size: str = "16MB"
     notes: dict = field(default_factory=dict)
 

@@ -1,0 +1,50 @@
+# The pipeline, one target per stage. Every target only calls `python -m pipeline <stage>`.
+# Variables: MODEL (Hub id, local dir, tiny, tiny-moe), TARGET (cpu|cuda|trn2, detected),
+# STEPS, SEQ_LEN, DRY_RUN=1, RUN (hf|native|nki, for export/verify).
+SHELL := /bin/bash
+# glibc returns large buffers to the OS after every step on CPU otherwise (page-fault bound).
+export MALLOC_MMAP_THRESHOLD_ ?= 4294967296
+export MALLOC_TRIM_THRESHOLD_ ?= 4294967296
+.DEFAULT_GOAL := help
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+HAS_NEURON := $(wildcard /dev/neuron0)
+MODEL ?= $(if $(HAS_NEURON),Qwen/Qwen3-4B-Instruct-2507,tiny)
+RUN ?= native
+TRAIN_FLAGS := --model $(MODEL) $(if $(TARGET),--target $(TARGET)) $(if $(STEPS),--steps $(STEPS)) \
+               $(if $(SEQ_LEN),--seq-len $(SEQ_LEN)) $(if $(DRY_RUN),--dry-run) $(if $(FRESH),--fresh)
+PIPE := $(PY) -m pipeline
+EMBEDDED_MODELS := tiny tiny-moe
+
+.PHONY: help setup download data train-native pipeline test clean
+
+help: ## list the targets
+	@grep -hE '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
+
+setup: $(VENV)/.installed ## build .venv from requirements-dev.lock (re-runs only when the lock changes)
+$(VENV)/.installed: requirements-dev.lock
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-dev.lock
+	touch $@
+
+download: setup ## checkpoints/<name>/hf from the Hub, a local dir, or the embedded tiny/tiny-moe
+	$(PIPE) download --model $(MODEL)
+
+data: setup ## the training text (held-out corpus for the embedded defaults)
+	$(PIPE) data --model $(MODEL)
+
+train-native: setup ## torchtitan's own Qwen3 (dense and MoE), weights from the HF checkpoint
+	$(PIPE) train --path native $(TRAIN_FLAGS)
+
+pipeline: setup ## the whole pipeline on the embedded defaults (tiny and tiny-moe)
+	set -e; for m in $(EMBEDDED_MODELS); do \
+	  $(MAKE) --no-print-directory download data MODEL=$$m; \
+	  $(MAKE) --no-print-directory train-native MODEL=$$m FRESH=1; \
+	done
+
+test: setup ## the test suite (CPU only)
+	$(PY) -m pytest -q tests
+
+clean: ## remove every output under checkpoints/ (keeps the venv)
+	find checkpoints -mindepth 1 -maxdepth 1 ! -name README.md -exec rm -rf {} +

@@ -1,0 +1,52 @@
+"""`python -m pipeline <stage> …`: every stage, each with --help. The Makefile only calls this."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from pipeline.errors import PipelineError
+
+# stage name → (module with add_arguments(parser) and run(args), one-line help)
+STAGES = {
+    "download": ("pipeline.download", "fetch or make the HF checkpoint (Hub, local dir, or embedded tiny/tiny-moe)"),
+    "data": ("pipeline.data", "write the training text torchtitan's loader reads"),
+    "train": ("pipeline.train", "launch a training path (hf, native, nki) with torchrun"),
+    "export": ("pipeline.export", "write a run's last checkpoint as HF safetensors"),
+    "verify": ("pipeline.verify", "prove an export reloads: keys, tensors, step-1 loss"),
+    "verify-kernels": ("pipeline.verify_kernels", "check every NKI override against its reference"),
+    "report": ("pipeline.report", "loss curves and a summary of a model's runs"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
+    parser = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__,
+                                     epilog="stages: " + "; ".join(f"{k}: {v[1]}" for k, v in STAGES.items()))
+    parser.add_argument("stage", choices=STAGES)
+    if not argv or argv[0] not in STAGES:
+        parser.parse_args(argv[:1] or ["--help"])
+    stage = argv[0]
+    module = importlib.import_module(STAGES[stage][0])  # only the chosen stage is imported
+    stage_parser = argparse.ArgumentParser(prog=f"python -m pipeline {stage}", description=STAGES[stage][1])
+    stage_parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    module.add_arguments(stage_parser)
+    args = stage_parser.parse_args(argv[1:])
+    try:
+        module.run(args)
+    except PipelineError as err:
+        if debug:
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""Where a run executes: detection, MFU peak and launch environment, one entry per target."""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+from dataclasses import dataclass, field
+
+from pipeline.errors import PipelineError
+
+# Trainium2: ~667 TFLOP/s dense bf16 per chip = 4 logical NeuronCores at LNC=2.
+TRN2_PEAK_PER_LOGICAL_CORE_LNC2 = 667e12 / 4
+# Dense bf16 peaks (no sparsity) of the GPUs this pipeline is checked on.
+CUDA_PEAKS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    description: str
+    env: dict = field(default_factory=dict)
+
+    def peak_flops_per_rank(self, lnc: int = 2) -> float | None:
+        if self.name == "trn2":
+            return TRN2_PEAK_PER_LOGICAL_CORE_LNC2 * lnc / 2
+        if self.name == "cuda":
+            name = _cuda_device_name()
+            return next((v for k, v in CUDA_PEAKS.items() if k in name), None)
+        return None  # CPU: measured at start-up by each rank
+
+
+def _cuda_device_name() -> str:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
+    except Exception:  # noqa: BLE001 - no CUDA runtime at all is just "unknown"
+        return ""
+
+
+TARGETS = {
+    "cpu": Target("cpu", "CPU with gloo (the embedded default; tests and CI)",
+                  env={"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "4294967296"}),
+    "cuda": Target("cuda", "NVIDIA GPUs with NCCL"),
+    "trn2": Target("trn2", "trn2.48xlarge: 64 logical NeuronCores at LNC=2, TorchNeuron",
+                   env={"NEURON_LOGICAL_NC_CONFIG": "2", "NEURON_COMPILE_CACHE_URL": "/var/tmp/neuron-compile-cache",
+                        "NEURON_RT_STOCHASTIC_ROUNDING_EN": "1"}),
+}
+
+
+def neuron_devices() -> list[str]:
+    return sorted(glob.glob("/dev/neuron[0-9]*"))
+
+
+def detect() -> str:
+    if neuron_devices():
+        return "trn2"
+    if shutil.which("nvidia-smi") and _cuda_device_name():
+        return "cuda"
+    return "cpu"
+
+
+def resolve(name: str | None) -> Target:
+    name = name or os.environ.get("TARGET") or detect()
+    if name not in TARGETS:
+        raise PipelineError(f"TARGET={name!r} is unknown; known targets: {', '.join(TARGETS)}.", "set TARGET to one of them.")
+    return TARGETS[name]
+
+
+def check_launchable(target: Target) -> None:
+    """Refuse to launch on hardware that is not there (a dry run skips this)."""
+    if target.name == "trn2" and not neuron_devices():
+        raise PipelineError("TARGET=trn2 but this machine has no /dev/neuron* devices.",
+                            "run on a trn2 instance, or use DRY_RUN=1 to only print the launch.")
+    if target.name == "cuda" and not _cuda_device_name():
+        raise PipelineError("TARGET=cuda but no CUDA device is visible.", "run on a GPU machine or use TARGET=cpu.")
