@@ -17,7 +17,8 @@ TRAIN_FLAGS := --model $(MODEL) $(if $(TARGET),--target $(TARGET)) $(if $(STEPS)
 PIPE := $(PY) -m pipeline
 EMBEDDED_MODELS := tiny tiny-moe
 
-.PHONY: help setup download data train-native pipeline test clean
+.PHONY: help setup download data train-hf train-native train-nki export verify-checkpoint verify-kernels report \
+        image doctor launch-slurm launch-eks pipeline test clean
 
 help: ## list the targets
 	@grep -hE '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -34,8 +35,38 @@ download: setup ## checkpoints/<name>/hf from the Hub, a local dir, or the embed
 data: setup ## the training text (held-out corpus for the embedded defaults)
 	$(PIPE) data --model $(MODEL)
 
+train-hf: setup ## Transformers v5 Qwen3 (AutoModelForCausalLM) trained by torchtitan
+	$(PIPE) train --path hf $(TRAIN_FLAGS)
+
 train-native: setup ## torchtitan's own Qwen3 (dense and MoE), weights from the HF checkpoint
 	$(PIPE) train --path native $(TRAIN_FLAGS)
+
+train-nki: setup ## native Qwen3 with NKI kernels (RoPE, MoE) via torchtitan's override registry
+	$(PIPE) train --path nki $(TRAIN_FLAGS)
+
+export: setup ## HF safetensors of a run's last checkpoint: checkpoints/<name>/<RUN>/export
+	$(PIPE) export --model $(MODEL) --run $(RUN) $(if $(FORCE),--force)
+
+verify-checkpoint: setup ## reload an export: zero missing keys, tensors, step-1 loss → verify.json
+	$(PIPE) verify $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT) --reference $(REFERENCE),--model $(MODEL) --run $(RUN))
+
+verify-kernels: setup ## every NKI override vs its reference (fwd+bwd), table of errors
+	$(PIPE) verify-kernels $(if $(TARGET),--target $(TARGET))
+
+report: setup ## loss curves and summary of every run of MODEL → checkpoints/<name>/report
+	$(PIPE) report --model $(MODEL)
+
+image: setup ## build the container image (Docker SDK), tag from the lock's hash
+	$(PIPE) image $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE))
+
+doctor: setup ## what this host has vs what the pipeline needs
+	$(PIPE) doctor
+
+launch-slurm: setup ## render an sbatch script for NODES trn2 nodes
+	$(PIPE) launch --scheduler slurm --nodes $(or $(NODES),2) --model $(MODEL)
+
+launch-eks: setup ## render Kubernetes manifests for NODES trn2 nodes
+	$(PIPE) launch --scheduler eks --nodes $(or $(NODES),2) --model $(MODEL)
 
 pipeline: setup ## the whole pipeline on the embedded defaults (tiny and tiny-moe)
 	set -e; for m in $(EMBEDDED_MODELS); do \

@@ -17,6 +17,9 @@ STAGES = {
     "verify": ("pipeline.verify", "prove an export reloads: keys, tensors, step-1 loss"),
     "verify-kernels": ("pipeline.verify_kernels", "check every NKI override against its reference"),
     "report": ("pipeline.report", "loss curves and a summary of a model's runs"),
+    "image": ("pipeline.container", "build the container image through the Docker SDK"),
+    "doctor": ("pipeline.doctor", "what this host has vs what the pipeline needs"),
+    "launch": ("pipeline.launch", "render multi-node launch files (Slurm sbatch, EKS manifests)"),
 }
 
 
