@@ -128,6 +128,8 @@ def torchrun_command(spec: RunSpec) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> RunSpec:
+    if not args.dry_run:
+        targets.check_launchable(targets.resolve(args.target))
     spec = resolve(args)
     target = targets.TARGETS[spec.target]
     command = torchrun_command(spec)
@@ -137,7 +139,6 @@ def run(args: argparse.Namespace) -> RunSpec:
         print("launch command:")
         print(" ".join(part for part in (env_prefix, shlex.join(command)) if part))
         return spec
-    targets.check_launchable(target)
     run_dir = Path(spec.run_dir)
     if args.fresh and run_dir.exists():
         import shutil
