@@ -25,5 +25,22 @@ def _native(spec: RunSpec):
     return native_model.model_spec(Qwen3Arch(**spec.arch), spec.model_name)
 
 
+@register("nki")
+def _nki(spec: RunSpec):
+    # Same model as native: the NKI modules come in through override.imports (see
+    # pipeline.nki.prepare), so parameter names and checkpoints stay native's.
+    return _native(spec)
+
+
 def build(spec: RunSpec):
     return MODEL_BUILDERS[spec.path](spec)
+
+
+@register("hf")
+def _hf(spec: RunSpec):
+    import json
+    from pathlib import Path
+
+    from pipeline import hf_model
+
+    return hf_model.model_spec(json.loads((Path(spec.hf_dir) / "config.json").read_text()), spec.model_name)

@@ -1,0 +1,271 @@
+"""Path `hf`: Hugging Face Transformers' own Qwen3 / Qwen3-MoE, trained by torchtitan's Trainer.
+
+The model is `AutoModelForCausalLM.from_config` on the checkpoint's config.json, so its shapes
+are the checkpoint's (head_dim, rope_theta, tied embeddings, experts) and its forward is
+transformers' code. torchtitan's experimental transformers backend is not used for the model:
+in 0.3.0 it unties tied embeddings for FSDP (gradients then differ from the tied checkpoint),
+swaps Qwen3-MoE's experts for torchtitan's MoE (bf16 grouped_mm, keys no longer HF's), leaves
+RoPE's inv_freq uninitialised on transformers 5.16 (it looks for `rope_init_fn`) and only
+routes attention through FlexAttention, which has no CPU backward. What is kept from torchtitan:
+the Trainer, the BaseModel/ModelSpec protocol, FSDP2 settings, activation checkpointing policies.
+
+State-dict keys are HF's own in-memory names (`model.layers.0.self_attn.q_proj.weight`,
+`lm_head.weight`, and for MoE `model.layers.0.mlp.experts.gate_up_proj`): the wrapper registers
+the causal LM's `model` and `lm_head` as its own children. `HFQwen3StateDictAdapter` only splits
+and fuses the experts (on disk: one key per expert) and drops a tied lm_head.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchtitan.protocols.model import BaseModel
+from torchtitan.protocols.state_dict_adapter import StateDictAdapter
+
+# transformers' attention for the CPU path: SDPA takes the dense block-causal mask built below.
+ATTENTION = "sdpa"
+# transformers' per-expert loop runs in the parameters' dtype; grouped_mm kernels would not
+# (and are not what a float32 comparison with the native path can use).
+EXPERTS = "eager"
+
+
+def block_causal_mask(positions: torch.Tensor) -> torch.Tensor:
+    """[B, 1, S, S] bool: causal and same-document; documents start where positions restart at 0."""
+    seq = positions.shape[1]
+    doc = torch.cumsum((positions == 0).to(torch.int32), dim=1)
+    same_doc = doc[:, :, None] == doc[:, None, :]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=positions.device).tril()
+    return (same_doc & causal).unsqueeze(1)
+
+
+def hf_config(config_json: dict):
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(**config_json)
+    cfg._attn_implementation = ATTENTION
+    if hasattr(cfg, "num_experts"):
+        cfg._experts_implementation = EXPERTS
+    return cfg
+
+
+class HFQwen3(BaseModel):
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseModel.Config):
+        config_json: dict = field(default_factory=dict)
+        """The checkpoint's config.json, verbatim: the only source of shapes."""
+
+        def update_from_config(self, *, config, **kwargs) -> None:
+            limit = int(self.config_json.get("max_position_embeddings", 0))
+            if limit and config.training.seq_len > limit:
+                from pipeline.errors import PipelineError
+
+                raise PipelineError(f"seq_len {config.training.seq_len} exceeds max_position_embeddings {limit}.",
+                                    f"use SEQ_LEN ≤ {limit}.")
+
+        def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
+            cfg = self.config_json
+            nparams = sum(p.numel() for p in model.parameters())
+            active = nparams - model.model.embed_tokens.weight.numel()
+            experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+            if experts:
+                per_expert = 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"]
+                active -= cfg["num_hidden_layers"] * (experts - cfg["num_experts_per_tok"]) * per_expert
+            head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+            # 6 FLOPs per active parameter per token, plus attention scores (as torchtitan counts them).
+            attention = 12 * cfg["num_hidden_layers"] * cfg["num_attention_heads"] * head_dim * seq_len
+            return nparams, 6 * active + attention
+
+    def __init__(self, config: Config):
+        super().__init__()
+        from transformers import AutoModelForCausalLM
+
+        self.config = config
+        causal = AutoModelForCausalLM.from_config(hf_config(config.config_json), dtype=torch.get_default_dtype())
+        # Registering the causal LM's own children (not the causal LM) keeps its keys unprefixed.
+        self.model = causal.model
+        self.lm_head = causal.lm_head
+        self.tied = bool(causal.config.tie_word_embeddings)
+        object.__setattr__(self, "_causal", causal)
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def verify_module_protocol(self) -> None:
+        # transformers' submodules are plain nn.Modules by design; nothing here relies on
+        # torchtitan's Module protocol (parallelism is applied in parallelize_hf_qwen3).
+        pass
+
+    def init_states(self, *, buffer_device: torch.device | None = None) -> None:
+        if self.tied:
+            # to_empty() re-creates parameters one module at a time, which unties them.
+            self.model.embed_tokens.weight = self.lm_head.weight
+        for module in self._causal.modules():
+            if module is not self._causal:
+                self._causal._init_weights(module)
+        self._init_rope(buffer_device)
+
+    def _init_rope(self, buffer_device: torch.device | None) -> None:
+        # inv_freq is computed in the rotary module's __init__, which ran on the meta device:
+        # after to_empty() it is uninitialised memory. Recompute it the way transformers does.
+        rope = self.model.rotary_emb
+        inv_freq, scaling = rope.compute_default_rope_parameters(rope.config, buffer_device or rope.inv_freq.device)
+        rope.inv_freq = inv_freq.to(rope.inv_freq.device)
+        rope.original_inv_freq = inv_freq.clone().to(rope.inv_freq.device)
+        rope.attention_scaling = scaling
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, **unused) -> torch.Tensor:
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape[0], -1)
+            mask = None  # plain causal: transformers builds it
+        else:
+            # Packed documents: positions restart per document (RoPE) and a block-causal mask
+            # keeps attention inside each document, as torchtitan's native path does.
+            mask = block_causal_mask(positions)
+        hidden = self.model(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=False)
+        return self.lm_head(hidden.last_hidden_state)
+
+
+# TP plan over the tp mesh (no sequence parallelism): transformers' base_model_tp_plan for
+# Qwen3, written as torch ParallelStyles. q_norm/k_norm run on the local heads, so their
+# weights are replicated DTensors whose gradients are summed over tp (SequenceParallel on the
+# heads dim does exactly that).
+def tp_plan() -> dict[str, Any]:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    return {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+        "self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+        "self_attn.o_proj": RowwiseParallel(),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    }
+
+
+def parallelize_hf_qwen3(model: HFQwen3, *, parallel_dims, training, parallelism, compile_config, ac_config,
+                         dump_folder, **_):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torchtitan.config import TORCH_DTYPE_MAP
+    from torchtitan.distributed.compile import apply_compile
+    from torchtitan.distributed.fsdp import disable_fsdp_gradient_division, get_fsdp_reshard_after_forward_policy
+
+    if parallel_dims.tp_enabled:
+        if parallelism.enable_sequence_parallel:
+            raise ValueError("the hf path's TP plan has no sequence parallelism; set sequence_parallel = false")
+        tp_mesh = parallel_dims.get_mesh("tp")
+        plan = tp_plan()
+        for layer in model.layers:
+            is_moe = hasattr(layer.mlp, "experts")
+            parallelize_module(layer, tp_mesh, {k: v for k, v in plan.items() if not (is_moe and k.startswith("mlp."))})
+    if ac_config is not None:
+        ac_config.build(dump_folder=dump_folder).apply(model.model)
+    if compile_config.enable and "model" in compile_config.components:
+        apply_compile(model.model, compile_config=compile_config, parallel_dims=parallel_dims)
+    if not parallel_dims.fsdp_enabled:
+        return model
+    names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
+    mesh = parallel_dims.get_mesh(names)
+    policy = MixedPrecisionPolicy(param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
+                                  reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce])
+    reshard = get_fsdp_reshard_after_forward_policy(parallelism.fsdp_reshard_after_forward, parallel_dims.pp_enabled)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+    # A tied embedding/lm_head is one parameter: FSDP2 needs it in exactly one group.
+    ends = [model.model.embed_tokens, model.model.norm, model.lm_head]
+    if model.tied:
+        fully_shard(ends, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    else:
+        fully_shard(ends[0], mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(ends[1:], mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    # torchtitan divides the loss by the global token count itself.
+    disable_fsdp_gradient_division(model)
+    return model
+
+
+_FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+class HFQwen3StateDictAdapter(StateDictAdapter):
+    """Model keys are HF's; on disk MoE experts are one key per expert and a tied lm_head is absent."""
+
+    def __init__(self, model_config: HFQwen3.Config, hf_assets_path: str | None):
+        super().__init__(model_config, hf_assets_path)
+        cfg = model_config.config_json
+        self.tied = bool(cfg.get("tie_word_embeddings", False))
+        self.num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+        self.placements: dict[str, tuple] = {}
+
+    def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        from torch.distributed.tensor import DTensor
+
+        out = {}
+        for key, value in state_dict.items():
+            if self.tied and key == "lm_head.weight":
+                continue
+            match = _FUSED.match(key)
+            if not match:
+                out[key] = value
+                continue
+            if isinstance(value, DTensor):
+                self.placements[key] = (value.device_mesh, value.placements)
+                value = value.full_tensor()
+            prefix, name = match.groups()
+            for e in range(value.shape[0]):
+                if name == "down_proj":
+                    out[f"{prefix}.{e}.down_proj.weight"] = value[e].clone()
+                else:
+                    gate, up = value[e].chunk(2, dim=0)
+                    out[f"{prefix}.{e}.gate_proj.weight"] = gate.clone()
+                    out[f"{prefix}.{e}.up_proj.weight"] = up.clone()
+        return out
+
+    def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
+        from torch.distributed.tensor import distribute_tensor
+
+        out, experts = {}, {}
+        for key, value in hf_state_dict.items():
+            match = _PER_EXPERT.match(key)
+            if match:
+                prefix, e, name = match.groups()
+                experts.setdefault(prefix, {})[(int(e), name)] = value
+            else:
+                out[key] = value
+        for prefix, parts in experts.items():
+            n = self.num_experts
+            gate_up = torch.stack([torch.cat([parts[(e, "gate_proj")], parts[(e, "up_proj")]], 0) for e in range(n)])
+            down = torch.stack([parts[(e, "down_proj")] for e in range(n)])
+            for name, value in (("gate_up_proj", gate_up), ("down_proj", down)):
+                key = f"{prefix}.{name}"
+                if key in self.placements:
+                    mesh, placements = self.placements[key]
+                    value = distribute_tensor(value, mesh, placements)
+                out[key] = value
+        if self.tied and "model.embed_tokens.weight" in out:
+            out["lm_head.weight"] = out["model.embed_tokens.weight"]
+        return out
+
+
+def model_spec(config_json: dict, name: str):
+    from torchtitan.protocols.model_spec import ModelSpec
+
+    return ModelSpec(
+        name="hf_qwen3",
+        flavor=name,
+        model=HFQwen3.Config(config_json=config_json),
+        parallelize_fn=parallelize_hf_qwen3,
+        pipelining_fn=None,
+        post_optimizer_build_fn=None,
+        state_dict_adapter=HFQwen3StateDictAdapter,
+    )
