@@ -35,7 +35,6 @@ def _activation_checkpoint(kind: str):
 
 
 def build_config(spec: RunSpec):
-    from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.loss import CrossEntropyLoss
     from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
@@ -44,7 +43,7 @@ def build_config(spec: RunSpec):
     from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 
     from pipeline import model_builders
-    from pipeline.titan_trainer import JsonlMetricsProcessor, PipelineTrainer
+    from pipeline.titan_trainer import JsonlMetricsProcessor, PipelineTrainer, WeightsCheckpointManager
 
     run_dir = Path(spec.run_dir)
     if spec.dataset == "local":
@@ -83,7 +82,7 @@ def build_config(spec: RunSpec):
             tensor_parallel_degree=spec.tensor_parallel,
             enable_sequence_parallel=spec.sequence_parallel,
         ),
-        checkpoint=CheckpointManager.Config(
+        checkpoint=WeightsCheckpointManager.Config(
             enable=True,
             folder="checkpoint",
             interval=spec.checkpoint_interval,
@@ -92,7 +91,6 @@ def build_config(spec: RunSpec):
             initial_load_model_only=True,
             last_save_model_only=False,
             keep_latest_k=spec.keep_latest_k,
-            enable_first_step_checkpoint=spec.steps == 0,
         ),
         activation_checkpoint=_activation_checkpoint(spec.activation_checkpoint),
         compile=CompileConfig(enable=spec.compile, backend=spec.compile_backend),

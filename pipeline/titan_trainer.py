@@ -1,6 +1,7 @@
-"""torchtitan's Trainer with what this pipeline adds: metrics.jsonl and a recorded first batch.
+"""torchtitan's Trainer with what this pipeline adds: metrics.jsonl, a recorded first batch,
+and a safetensors copy of the model weights in every checkpoint.
 
-Both are torchtitan components (Configurable subclasses), so they are built the way
+All are torchtitan components (Configurable subclasses), so they are built the way
 torchtitan builds its own; nothing in the training loop is rewritten.
 """
 
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from torchtitan.components.checkpoint import MODEL, CheckpointManager
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
@@ -74,6 +76,47 @@ class JsonlMetricsProcessor(MetricsProcessor):
                 print(f"step-1 loss: {global_avg_loss:.6f}", flush=True)
 
 
+# Beside each DCP checkpoint: the full (unsharded) model state dict, torchtitan keys. DCP's own
+# .metadata is a pickle, and this project never unpickles a checkpoint; export reads this file.
+WEIGHTS_FILE = "model_weights.safetensors"
+
+
+class WeightsCheckpointManager(CheckpointManager):
+    """torchtitan's DCP checkpointer that also writes step-N/model_weights.safetensors."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(CheckpointManager.Config):
+        pass
+
+    def _save(self, curr_step: int, last_step: bool = False) -> bool:
+        saved = super()._save(curr_step, last_step)
+        if saved:
+            self._save_weights(curr_step)
+        return saved
+
+    @torch.no_grad()
+    def _save_weights(self, step: int) -> None:
+        from torch.distributed.tensor import DTensor
+
+        rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+        full = {}
+        # Sorted so every rank enters the same all-gathers in the same order.
+        for key, value in sorted(self.states[MODEL].state_dict().items()):
+            if isinstance(value, DTensor):
+                value = value.full_tensor()
+            if rank0:
+                full[key] = value.detach().to("cpu", copy=True).contiguous()
+        if rank0:
+            directory = Path(self._create_checkpoint_id(step))
+            directory.mkdir(parents=True, exist_ok=True)
+            tmp = directory / f".{WEIGHTS_FILE}.tmp"
+            save_file(full, str(tmp), metadata={"format": "pt", "step": str(step), "keys": "torchtitan"})
+            os.replace(tmp, directory / WEIGHTS_FILE)
+            logger.info(f"Saved the model weights of step {step} to {directory / WEIGHTS_FILE}")
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+
+
 class PipelineTrainer(Trainer):
     """Saves every rank's first batch so any later check can recompute the step-1 loss."""
 
@@ -92,7 +135,12 @@ class PipelineTrainer(Trainer):
 
     def train(self):
         self._truncate_metrics_after_checkpoint()
-        return super().train()
+        result = super().train()
+        # torchtitan saves only after a step (enable_first_step_checkpoint means after step 1),
+        # so STEPS=0 would leave no checkpoint: save the loaded weights as step 0.
+        if self.config.training.steps == 0 and self.step == 0:
+            self.checkpointer.save(0, last_step=True)
+        return result
 
     def _truncate_metrics_after_checkpoint(self) -> None:
         # A resumed run repeats the steps after its last checkpoint: drop their old lines.
