@@ -31,8 +31,13 @@ def hf_dir(model: str) -> Path:
     return model_dir(model) / "hf"
 
 
+# <name>/hf is the downloaded checkpoint, so the hf training path's run cannot be named after
+# its path (a --fresh run would delete the checkpoint it is about to load).
+RUN_DIR_NAMES = {"hf": "hf-run"}
+
+
 def run_dir(model: str, path: str) -> Path:
-    return model_dir(model) / path
+    return model_dir(model) / RUN_DIR_NAMES.get(path, path)
 
 
 def data_file(model: str) -> Path:
