@@ -22,6 +22,8 @@ from pipeline.qwen3_arch import check_against
 from pipeline.run_spec import RunSpec
 
 PATH_PREPARERS = {}
+# Modules that register a path's preparer, imported only when that path is trained.
+PREPARER_MODULES = {"nki": "pipeline.nki.prepare"}
 
 
 def prepares(path: str):
@@ -79,6 +81,10 @@ def resolve(args: argparse.Namespace) -> RunSpec:
         from pipeline.cpu_overrides_names import CPU_OVERRIDES
 
         spec.overrides = list(CPU_OVERRIDES)
+    if args.path in PREPARER_MODULES:
+        import importlib
+
+        importlib.import_module(PREPARER_MODULES[args.path])
     if args.path in PATH_PREPARERS:
         PATH_PREPARERS[args.path](spec, cfg)
     return spec

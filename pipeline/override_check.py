@@ -1,0 +1,109 @@
+"""Startup check of torchtitan `override.imports` against a model's config tree.
+
+torchtitan 0.3.0 applies overrides inside Trainer.__init__ and only warns when *no* override
+matched at all. The pipeline wants more, before any build or compile, in the launching process
+(so dry runs see it too): every override matched with the same rules torchtitan uses (target
+class, `exact`, fnmatch FQN globs from the Trainer.Config root, no descent below a match), a
+warning per override that matched nothing listing the closest real module names, conflicts
+(same node, or ancestor/descendant) stopping the run naming both, and a one-line summary.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from dataclasses import dataclass, field
+from fnmatch import fnmatch
+
+from pipeline.errors import PipelineError
+
+ROOT = "model_spec.model"  # where Trainer.Config holds the model config
+
+
+@dataclass
+class OverrideMatch:
+    name: str
+    target: str
+    patterns: list[str] | None
+    fqns: list[str] = field(default_factory=list)
+
+
+@dataclass
+class CheckReport:
+    matches: list[OverrideMatch]
+    warnings: list[str]
+
+    def summary(self) -> str:
+        parts = [f"{m.name.rsplit('.', 1)[-1]} → {len(m.fqns)}× {m.target}" for m in self.matches]
+        return "overrides: " + ("; ".join(parts) if parts else "none")
+
+    def count(self, name: str) -> int:
+        return next(len(m.fqns) for m in self.matches if m.name == name or m.name.endswith("." + name))
+
+
+def _entry_name(entry) -> str:
+    return entry if isinstance(entry, str) else entry[0]
+
+
+def registered(name: str):
+    """The torchtitan Override object a `module.function` target names (imports its module)."""
+    titan_override = importlib.import_module("torchtitan.config.override")  # the module, not the decorator
+
+    module, _, _ = name.rpartition(".")
+    try:
+        importlib.import_module(module)
+    except ImportError as err:
+        raise PipelineError(f"override {name!r}: module {module!r} cannot be imported ({err}).",
+                            "fix the override.imports entry.") from err
+    # torchtitan 0.3.0 exposes registration only through this module-level dict.
+    found = titan_override._REGISTRY.get(name)
+    if found is None:
+        raise PipelineError(f"override {name!r} names no registered @override.", "fix the override.imports entry.")
+    return found
+
+
+def all_module_fqns(model_config) -> list[str]:
+    from torchtitan.config.configurable import Configurable
+
+    return [fqn for fqn, *_ in model_config.traverse(Configurable.Config, recurse=True, _prefix=ROOT)]
+
+
+def check(imports: list, model_config) -> CheckReport:
+    names = [_entry_name(e) for e in imports]
+    everything = all_module_fqns(model_config)
+    matches, warnings = [], []
+    for name in names:
+        ov = registered(name)
+        found = [fqn for fqn, cfg, _, _ in model_config.traverse(ov.target_cls, _prefix=ROOT)
+                 if (not ov.exact or type(cfg) is ov.target_cls) and ov.matches(fqn)]
+        matches.append(OverrideMatch(name, ov.target_cls.__qualname__.removesuffix(".Config"), ov.fqns, found))
+        if not found:
+            warnings.append(f"override {name} matched nothing (target {ov.target_cls.__qualname__}, fqns "
+                            f"{ov.fqns or 'all'}); closest module names: {', '.join(_closest(ov.fqns, everything))}")
+    _check_conflicts(matches)
+    return CheckReport(matches, warnings)
+
+
+def _closest(patterns: list[str] | None, names: list[str]) -> list[str]:
+    probes = [p.replace("*", "") for p in (patterns or [""])]
+    scored = sorted(names, key=lambda n: -max(difflib.SequenceMatcher(None, p, n).ratio() for p in probes))
+    return scored[:3] or ["(model has no modules)"]
+
+
+def _check_conflicts(matches: list[OverrideMatch]) -> None:
+    owner: dict[str, str] = {}
+    for m in matches:
+        for fqn in m.fqns:
+            if fqn in owner and owner[fqn] != m.name:
+                raise PipelineError(f"overrides {owner[fqn]} and {m.name} both claim {fqn}.",
+                                    "narrow their fqns patterns or drop one of them.")
+            owner[fqn] = m.name
+    for a, a_owner in owner.items():
+        for b, b_owner in owner.items():
+            if a_owner != b_owner and b.startswith(a + "."):
+                raise PipelineError(f"override {a_owner} claims {a}, an ancestor of {b} claimed by {b_owner}.",
+                                    "nested replacements are order-dependent: narrow one pattern.")
+
+
+def glob_matches(pattern: str, fqn: str) -> bool:
+    return fnmatch(fqn, pattern)
