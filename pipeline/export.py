@@ -33,6 +33,7 @@ from pipeline import hf_checkpoint, paths
 from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_directory, atomic_write_text
 from pipeline.qwen3_arch import Qwen3Arch, load_arch
+from pipeline.run_spec import RunSpec
 
 EXPORT_DIR = "export"
 MANIFEST = "manifest.json"
@@ -98,21 +99,22 @@ def weights_file(run_dir: Path, step: int | None = None) -> tuple[int, Path]:
     return step, path
 
 
-def load_run(run_dir: Path) -> tuple[dict, Path]:
+def load_run(run_dir: Path) -> tuple[RunSpec, Path]:
     run_json = Path(run_dir) / "run.json"
     if not run_json.exists():
         raise PipelineError(f"{run_json} does not exist: no run there.", "train first, e.g. `make train-native MODEL=tiny`.")
-    spec = json.loads(run_json.read_text())
-    return spec, Path(spec["hf_dir"])
+    spec = RunSpec.load(run_json)
+    return spec, Path(spec.hf_dir)
 
 
-def to_hf(titan_state: dict, arch: Qwen3Arch, source_keys: set[str]) -> dict:
-    """torchtitan keys → the source checkpoint's Hugging Face keys, via torchtitan's adapter."""
-    from torchtitan.models.qwen3 import Qwen3StateDictAdapter
+def to_hf(titan_state: dict, spec: RunSpec, source_keys: set[str]) -> dict:
+    """The run's model keys → the source checkpoint's Hugging Face keys, via the state-dict
+    adapter the run's model spec names (torchtitan's Qwen3StateDictAdapter on native/nki)."""
+    from pipeline import model_builders
 
-    from pipeline.native_model import model_config
-
-    adapter = Qwen3StateDictAdapter(model_config(arch), None)
+    arch = Qwen3Arch(**spec.arch)
+    model_spec = model_builders.build(spec)
+    adapter = model_spec.state_dict_adapter(model_spec.model, None)
     hf_state = adapter.to_hf(titan_state)
     if arch.tie_word_embeddings:
         hf_state.pop("lm_head.weight", None)
@@ -213,13 +215,13 @@ def export(config: ExportConfig) -> Path:
         raise PipelineError(f"{config.target} already exists.", "pass FORCE=1 (--force) to replace it.")
     step, weights = weights_file(config.run_dir, config.step)
     source_report = hf_checkpoint.validate(source)
-    arch = arch_from_config_dict(spec["arch"])
+    arch = Qwen3Arch(**spec.arch)
     if arch.to_dict() != source_report.arch.to_dict():
         raise PipelineError(f"{source}/config.json no longer matches the architecture the run trained ({config.run_dir}/run.json).",
                             "re-download the source checkpoint the run was trained from.")
     dtype_name = DTYPES[config.dtype]
     titan_state = read_titan_weights(weights)
-    hf_state = to_hf(titan_state, arch, set(source_report.tensors))
+    hf_state = to_hf(titan_state, spec, set(source_report.tensors))
     del titan_state
     for key, tensor in hf_state.items():
         expected = source_report.tensors[key].shape
@@ -240,7 +242,3 @@ def export(config: ExportConfig) -> Path:
     print(f"exported step {step} of {config.run_dir} → {config.target} ({len(hf_state)} tensors, {dtype_name}, "
           f"{size / 2**20:.1f} MiB, {time.perf_counter() - started:.1f} s)")
     return config.target
-
-
-def arch_from_config_dict(arch: dict) -> Qwen3Arch:
-    return Qwen3Arch(**arch)

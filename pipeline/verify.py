@@ -1,0 +1,353 @@
+"""Stage `verify`: prove an export is the model that was trained, and that it reloads.
+
+Checks, in order (each becomes an entry of verify.json):
+  files      the directory is a sound safetensors checkpoint (no pickle, index ↔ shards,
+             no truncation, config.json agrees with every tensor's shape)
+  manifest   every file's sha256 equals export's manifest.json
+  load       transformers' AutoModelForCausalLM.from_pretrained (never remote code):
+             zero missing, unexpected, mismatched keys and no load error
+  keys / shapes / dtypes   the on-disk tensors against the reference (source) checkpoint
+  finite     no NaN/Inf anywhere
+  round-trip an export of step 0 is bitwise equal to the source (cast to the export dtype);
+  changed    an export after training steps differs from the source
+  step1-loss-source   plain transformers' loss of the source on the recorded first batch
+             equals the logged step-1 loss, and the model's expectation where configs/models.toml
+             has one (for the embedded defaults the expectation is that plain-transformers value)
+  step1-loss-export   for a step-0 export, the export's loss on that batch equals the logged
+             step-1 loss (or the source's, when no step 1 was logged)
+
+The batch: the run's first_batch; a STEPS=0 run records none, so the first batch of another
+run of the same model and source is used (with that run's logged step-1 loss); failing that,
+the first held-out corpus document tokenized by the reference tokenizer (then export and
+source losses are compared with each other, and nothing is compared with a log).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import tomllib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from pipeline import export as export_stage
+from pipeline import hf_checkpoint, paths
+from pipeline.errors import PipelineError
+from pipeline.fsutil import atomic_write_text
+
+VERIFY_FILE = "verify.json"
+# |export − reference| allowed for the step-1 loss, by export dtype: fp32 is the same
+# arithmetic (measured ≤1e-6), bf16 rounds every weight (measured ~1e-3 on tiny).
+EXPORT_LOSS_TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
+# |logged − plain transformers| for the source, by training precision.
+LOGGED_LOSS_TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
+FALLBACK_TOKENS = 128
+
+
+@dataclass
+class Check:
+    name: str
+    passed: bool
+    detail: str
+
+
+@dataclass
+class Batch:
+    tensors: list[dict]
+    origin: str
+    logged: float | None
+
+
+@dataclass
+class Verification:
+    checkpoint: Path
+    reference: Path
+    run_dir: Path | None
+    output: Path
+    checks: list[Check] = field(default_factory=list)
+    missing_keys: list[str] = field(default_factory=list)
+    unexpected_keys: list[str] = field(default_factory=list)
+    mismatched_keys: list[str] = field(default_factory=list)
+    step1_loss: dict = field(default_factory=lambda: {"export": None, "logged": None, "reference": None})
+
+    def add(self, name: str, passed: bool, detail: str) -> bool:
+        self.checks.append(Check(name, bool(passed), detail))
+        return bool(passed)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.checks) and all(c.passed for c in self.checks)
+
+    def to_dict(self) -> dict:
+        return {
+            "passed": self.passed,
+            "checkpoint": str(self.checkpoint),
+            "reference": str(self.reference),
+            "checks": [asdict(c) for c in self.checks],
+            "missing_keys": self.missing_keys,
+            "unexpected_keys": self.unexpected_keys,
+            "mismatched_keys": self.mismatched_keys,
+            "step1_loss": self.step1_loss,
+        }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="model name (with --run): verify checkpoints/<name>/<run>/export")
+    parser.add_argument("--run", help="training path of the run: hf, native or nki")
+    parser.add_argument("--checkpoint", type=Path, help="an HF checkpoint directory to verify (with --reference)")
+    parser.add_argument("--reference", type=Path, help="the checkpoint it must match (the downloaded source)")
+    parser.add_argument("--output", type=Path, help="where verify.json goes (default: the run dir / beside the checkpoint)")
+
+
+def run(args: argparse.Namespace) -> Verification:
+    if args.model and args.run:
+        run_dir = paths.run_dir(args.model, args.run)
+        spec, reference = export_stage.load_run(run_dir)
+        checkpoint = run_dir / export_stage.EXPORT_DIR
+        if not checkpoint.is_dir():
+            raise PipelineError(f"{checkpoint} does not exist.", f"run `make export MODEL={args.model} RUN={args.run}` first.")
+    elif args.checkpoint and args.reference:
+        checkpoint, reference = args.checkpoint, args.reference
+        run_dir = checkpoint.parent if (checkpoint.parent / "run.json").exists() else None
+    else:
+        raise PipelineError("verify needs --model and --run, or --checkpoint and --reference.",
+                            "e.g. `make verify-checkpoint MODEL=tiny RUN=native`.")
+    if not Path(reference).is_dir():
+        raise PipelineError(f"reference {reference} is not a directory.", "give the downloaded source checkpoint (<name>/hf).")
+    output = args.output or (run_dir / VERIFY_FILE if run_dir else Path(checkpoint).parent / VERIFY_FILE)
+    result = verify(Path(checkpoint), Path(reference), run_dir, output)
+    failed = [c for c in result.checks if not c.passed]
+    if failed:
+        raise PipelineError(f"verify failed ({len(failed)} of {len(result.checks)} checks), first: {failed[0].name}: "
+                            f"{failed[0].detail}", f"see {output}.")
+    return result
+
+
+def verify(checkpoint: Path, reference: Path, run_dir: Path | None, output: Path) -> Verification:
+    result = Verification(checkpoint, reference, run_dir, output)
+    try:
+        _run_checks(result)
+    finally:
+        atomic_write_text(output, json.dumps(result.to_dict(), indent=2) + "\n")
+        print_table(result)
+    return result
+
+
+def _run_checks(result: Verification) -> None:
+    try:
+        report = hf_checkpoint.validate(result.checkpoint)
+        ref_report = hf_checkpoint.validate(result.reference)
+    except PipelineError as err:
+        result.add("files", False, str(err))
+        return  # unsafe or inconsistent on disk: nothing is loaded from it
+    result.add("files", True, f"{len(report.tensors)} tensors in {len({t.shard for t in report.tensors.values()})} shards")
+    manifest = None
+    if (result.checkpoint / export_stage.MANIFEST).exists() or result.run_dir is not None:
+        try:
+            manifest = export_stage.check_manifest(result.checkpoint)
+            result.add("manifest", True, f"{len(manifest['files'])} files match their sha256")
+        except PipelineError as err:
+            result.add("manifest", False, str(err))
+    _check_load(result)
+    _check_keys(result, report, ref_report)
+    step = manifest.get("step") if manifest else None
+    _check_tensors(result, report, step)
+    _check_losses(result, step, report.tensors)
+
+
+def _check_load(result: Verification) -> None:
+    import torch
+    import transformers
+
+    try:
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(
+            str(result.checkpoint), dtype=torch.float32, trust_remote_code=False, output_loading_info=True)
+    except Exception as err:  # transformers 5 reports a missing MoE expert as a shape error
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        result.add("load", False, f"from_pretrained raised {type(err).__name__}: {first[:300]}")
+        return
+    del model
+    result.missing_keys = sorted(info.get("missing_keys") or [])
+    result.unexpected_keys = sorted(info.get("unexpected_keys") or [])
+    result.mismatched_keys = sorted(str(m[0] if isinstance(m, (tuple, list)) else m) for m in info.get("mismatched_keys") or [])
+    errors = [str(e) for e in info.get("error_msgs") or []]
+    ok = not (result.missing_keys or result.unexpected_keys or result.mismatched_keys or errors)
+    result.add("load", ok, f"missing {len(result.missing_keys)}, unexpected {len(result.unexpected_keys)}, "
+                           f"mismatched {len(result.mismatched_keys)}, errors {len(errors)}"
+                           + (f": {(result.missing_keys + result.unexpected_keys + result.mismatched_keys + errors)[:3]}" if not ok else ""))
+
+
+def _check_keys(result: Verification, report, ref_report) -> None:
+    ours, theirs = report.tensors, ref_report.tensors
+    tied = report.arch.tie_word_embeddings
+    rule = ("tied embeddings: lm_head.weight is on disk exactly when the reference has it"
+            if tied else "untied: lm_head.weight required on both")
+    absent, extra = sorted(set(theirs) - set(ours)), sorted(set(ours) - set(theirs))
+    lm_head = f"lm_head.weight {'present' if 'lm_head.weight' in ours else 'absent'} (reference: " \
+              f"{'present' if 'lm_head.weight' in theirs else 'absent'})"
+    result.add("keys", not absent and not extra and tied == ref_report.arch.tie_word_embeddings,
+               f"{len(ours)} keys vs {len(theirs)}; absent {absent[:3]}, extra {extra[:3]}; {lm_head}; {rule}")
+    common = sorted(set(ours) & set(theirs))
+    shapes = [k for k in common if ours[k].shape != theirs[k].shape]
+    result.add("shapes", not shapes, f"{len(common) - len(shapes)}/{len(common)} identical"
+                                     + (f"; differ: {shapes[:3]}" if shapes else ""))
+    declared = _declared_dtype(result.checkpoint)
+    ours_dtypes = {t.dtype for t in ours.values()}
+    theirs_dtypes = {t.dtype for t in theirs.values()}
+    result.add("dtypes", ours_dtypes == {declared} and len(theirs_dtypes) == 1,
+               f"export {sorted(ours_dtypes)} (config.json dtype {declared}), reference {sorted(theirs_dtypes)}; "
+               "every tensor must have the declared export dtype, the reference one uniform dtype")
+
+
+def _declared_dtype(directory: Path) -> str:
+    cfg = json.loads((Path(directory) / "config.json").read_text())
+    name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    return {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}.get(name, name)
+
+
+def _open_all(directory: Path):
+    from safetensors.torch import safe_open
+
+    handles = {}
+    for shard in hf_checkpoint.shard_files(directory):
+        handle = safe_open(str(shard), framework="pt")
+        for key in handle.keys():
+            handles[key] = handle
+    return handles
+
+
+def _check_tensors(result: Verification, report, step: int | None) -> None:
+    import torch
+
+    ours, theirs = _open_all(result.checkpoint), _open_all(result.reference)
+    nonfinite, changed, unequal, total = [], [], [], 0
+    for key in sorted(set(ours) & set(theirs)):
+        a = ours[key].get_tensor(key)
+        if a.is_floating_point() and not bool(torch.isfinite(a).all()):
+            nonfinite.append(key)
+        b = theirs[key].get_tensor(key).to(a.dtype)
+        if a.shape != b.shape:
+            continue
+        total += 1
+        same_bits = torch.equal(a.contiguous().flatten().view(torch.uint8), b.contiguous().flatten().view(torch.uint8))
+        (unequal if not same_bits else []).append(key)
+        if not same_bits:
+            changed.append(key)
+    result.add("finite", not nonfinite, "every tensor finite" if not nonfinite else f"NaN/Inf in {nonfinite[:5]}")
+    if step == 0:
+        result.add("round-trip", not unequal and total > 0,
+                   f"step-0 export: {total - len(unequal)}/{total} tensors bitwise equal to the source (cast to the export dtype)"
+                   + (f"; differ: {unequal[:3]}" if unequal else ""))
+    elif step is not None:
+        result.add("changed", bool(changed), f"step-{step} export: {len(changed)}/{total} tensors differ from the source")
+
+
+def _load_model(directory: Path):
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32, trust_remote_code=False)
+    return model.eval()
+
+
+def _logged_step1(run_dir: Path) -> float | None:
+    metrics = Path(run_dir) / "metrics.jsonl"
+    if not metrics.exists():
+        return None
+    for line in metrics.read_text().splitlines():
+        if line.strip() and json.loads(line).get("step") == 1:
+            return float(json.loads(line)["loss"])
+    return None
+
+
+def find_batch(run_dir: Path | None, reference: Path) -> Batch:
+    from pipeline.reference_loss import load_first_batches
+
+    candidates = []
+    if run_dir is not None:
+        candidates.append(Path(run_dir))
+        candidates += sorted(p for p in Path(run_dir).parent.iterdir() if p.is_dir() and p != Path(run_dir))
+    for candidate in candidates:
+        if not (candidate / "first_batch").is_dir() or not (candidate / "run.json").exists():
+            continue
+        if Path(json.loads((candidate / "run.json").read_text()).get("hf_dir", "")).resolve() != Path(reference).resolve():
+            continue
+        origin = "this run's first batch" if candidate == Path(run_dir) else f"first batch of sibling run {candidate.name}"
+        return Batch(load_first_batches(candidate), origin, _logged_step1(candidate))
+    return Batch([_corpus_batch(reference)], "first held-out corpus document (no recorded first batch)", None)
+
+
+def _corpus_batch(reference: Path) -> dict:
+    import torch
+    import transformers
+
+    from pipeline import corpus
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(reference), trust_remote_code=False)
+    ids = tokenizer(corpus.held_out_documents()[0])["input_ids"][: FALLBACK_TOKENS + 1]
+    ids = torch.tensor(ids).unsqueeze(0)
+    return {"input": ids[:, :-1], "labels": ids[:, 1:], "positions": torch.arange(ids.shape[1] - 1).unsqueeze(0)}
+
+
+def expected_step1(reference: Path) -> tuple[str, float, float] | None:
+    """(model id, expected loss, tolerance) from configs/models.toml, by the reference's name or Hub id."""
+    from pipeline.settings import CONFIG_DIR
+
+    models = tomllib.loads((CONFIG_DIR / "models.toml").read_text())
+    download = Path(reference) / "download.json"
+    repo = json.loads(download.read_text()).get("repo_id") if download.exists() else None
+    name = Path(reference).resolve().parent.name
+    for model_id, entry in models.items():
+        if "expected_step1_loss" in entry and (model_id == repo or model_id.split("/")[-1] == name):
+            return model_id, float(entry["expected_step1_loss"]), float(entry.get("step1_loss_tolerance", 0.1))
+    return None
+
+
+def _check_losses(result: Verification, step: int | None, tensors) -> None:
+    from pipeline.reference_loss import step1_loss
+
+    batch = find_batch(result.run_dir, result.reference)
+    reference_loss = step1_loss(_load_model(result.reference), batch.tensors)
+    export_loss = step1_loss(_load_model(result.checkpoint), batch.tensors)
+    result.step1_loss = {"export": export_loss, "logged": batch.logged, "reference": reference_loss}
+    spec_dtype = _training_dtype(result.run_dir)
+    if batch.logged is not None:
+        tol = LOGGED_LOSS_TOLERANCE.get(spec_dtype, LOGGED_LOSS_TOLERANCE["bfloat16"])
+        diff = abs(reference_loss - batch.logged)
+        result.add("step1-loss-source", diff <= tol,
+                   f"source (plain transformers) {reference_loss:.6f} vs logged step-1 {batch.logged:.6f} on {batch.origin}: "
+                   f"|diff| {diff:.2e} ≤ {tol:g}")
+    expectation = expected_step1(result.reference)
+    if expectation is not None:
+        model_id, expected, tol = expectation
+        measured = batch.logged if batch.logged is not None else reference_loss
+        result.add("step1-loss-expected", abs(measured - expected) <= tol,
+                   f"{model_id}: step-1 loss {measured:.4f} vs expected {expected} ± {tol} (configs/models.toml)")
+    export_dtype = next(iter({t.dtype for t in tensors.values()}))
+    tol = EXPORT_LOSS_TOLERANCE["float32" if export_dtype == "F32" else "bfloat16"]
+    if step == 0 or step is None:
+        target, what = (batch.logged, "logged step-1") if batch.logged is not None else (reference_loss, "source")
+        diff = abs(export_loss - target)
+        result.add("step1-loss-export", diff <= tol,
+                   f"export {export_loss:.6f} vs {what} {target:.6f} on {batch.origin} ({export_dtype}): |diff| {diff:.2e} ≤ {tol:g}"
+                   + ("" if step == 0 else "; export step unknown (no manifest), so it must equal the source"))
+    else:
+        result.add("step1-loss-export", math.isfinite(export_loss),
+                   f"step-{step} export {export_loss:.6f} on {batch.origin} (source {reference_loss:.6f}): finite")
+
+
+def _training_dtype(run_dir: Path | None) -> str:
+    if run_dir is None or not (Path(run_dir) / "run.json").exists():
+        return "float32"
+    return json.loads((Path(run_dir) / "run.json").read_text()).get("dtype", "float32")
+
+
+def print_table(result: Verification) -> None:
+    width = max((len(c.name) for c in result.checks), default=5)
+    print(f"verify {result.checkpoint} against {result.reference}")
+    for check in result.checks:
+        print(f"  {check.name:<{width}}  {'pass' if check.passed else 'FAIL'}  {check.detail}")
+    losses = result.step1_loss
+    print("  step-1 loss: " + ", ".join(f"{k} {v:.6f}" if v is not None else f"{k} –" for k, v in losses.items()))
+    print(f"{'PASSED' if result.passed else 'FAILED'} → {result.output}")
