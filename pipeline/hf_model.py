@@ -173,21 +173,22 @@ def parallelize_hf_qwen3(model: HFQwen3, *, parallel_dims, training, parallelism
         apply_compile(model.model, compile_config=compile_config, parallel_dims=parallel_dims)
     if not parallel_dims.fsdp_enabled:
         return model
-    names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
-    mesh = parallel_dims.get_mesh(names)
-    policy = MixedPrecisionPolicy(param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
-                                  reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce])
+    # Plain FSDP2 on the data-parallel submesh: transformers' parameters are not DTensors on
+    # torchtitan's full SPMD mesh, which fully_shard's dp_mesh_dims mode requires.
+    mesh = parallel_dims.get_mesh(["dp_replicate", "dp_shard"] if parallel_dims.dp_replicate_enabled else "dp_shard")
+    common = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
+                                                            reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce]))
     reshard = get_fsdp_reshard_after_forward_policy(parallelism.fsdp_reshard_after_forward, parallel_dims.pp_enabled)
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(layer, reshard_after_forward=reshard, **common)
     # A tied embedding/lm_head is one parameter: FSDP2 needs it in exactly one group.
     ends = [model.model.embed_tokens, model.model.norm, model.lm_head]
     if model.tied:
-        fully_shard(ends, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+        fully_shard(ends, reshard_after_forward=False, **common)
     else:
-        fully_shard(ends[0], mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
-        fully_shard(ends[1:], mesh=mesh, mp_policy=policy, reshard_after_forward=False)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(ends[0], reshard_after_forward=reshard, **common)
+        fully_shard(ends[1:], reshard_after_forward=False, **common)
+    fully_shard(model, **common)
     # torchtitan divides the loss by the global token count itself.
     disable_fsdp_gradient_division(model)
     return model
