@@ -1,0 +1,61 @@
+# The pipeline image: the Neuron SDK 2.33 PyTorch training DLC (TorchNeuron, native PyTorch
+# 2.14) plus requirements.lock installed from a hash-checked wheelhouse, running as a non-root
+# user. Built by `make image` (pipeline/container.py), which makes the wheelhouse inside the base
+# image and adds it to the build context as wheels/.
+#
+# BASE_IMAGE pin: repository and tag follow AWS's Neuron DLC naming for SDK 2.33
+# (awsdocs-neuron v2.33.0 setup/pytorch/dlc and update-dlc pages; aws-neuron/deep-learning-containers:
+# "PyTorch Training (TorchNeuron)", tags ending -neuronx-py314-sdk2.33.0-ubuntu26.04). The exact
+# tag and its sha256 digest could not be read from the registry on the machine that wrote this (no
+# network), so no digest is given: pin it on first pull with
+#   docker pull public.ecr.aws/neuron/pytorch-training-neuronx:<tag> && docker inspect --format '{{index .RepoDigests 0}}'
+# and pass BASE_IMAGE=<repo>@sha256:<digest>. Tests build with a locally made BASE_IMAGE instead.
+ARG BASE_IMAGE=public.ecr.aws/neuron/pytorch-training-neuronx:2.14.0-neuronx-py314-sdk2.33.0-ubuntu26.04
+
+FROM ${BASE_IMAGE} AS install
+ARG PYTHON=python3
+SHELL ["/bin/sh", "-eu", "-c"]
+COPY wheels/ /tmp/wheels/
+# --system-site-packages: torch, torch-neuronx and neuronx-cc stay the base image's own; the
+# wheelhouse's hashed list holds only what the base lacks, the full closure, hence --no-deps.
+RUN ${PYTHON} -m venv --system-site-packages /opt/pipeline-venv \
+    && /opt/pipeline-venv/bin/python -m pip install --no-cache-dir --disable-pip-version-check --no-index \
+       --find-links /tmp/wheels --require-hashes --no-deps -r /tmp/wheels/requirements.hashed.txt
+
+# A second stage so the wheelhouse never becomes a layer of the final image.
+FROM ${BASE_IMAGE}
+ARG BASE_IMAGE
+ARG LOCK_SHA256=unknown
+ARG PIPELINE_REVISION=unknown
+ARG PIPELINE_UID=1000
+LABEL org.opencontainers.image.title="qwen3-pipeline" \
+      org.opencontainers.image.description="Qwen3 training with torchtitan on trn2 (python -m pipeline)" \
+      org.opencontainers.image.base.name="${BASE_IMAGE}" \
+      org.opencontainers.image.revision="${PIPELINE_REVISION}" \
+      pipeline.lock.sha256="${LOCK_SHA256}" \
+      pipeline.neuron.sdk="2.33" \
+      pipeline.torch="2.14"
+SHELL ["/bin/sh", "-eu", "-c"]
+COPY --from=install /opt/pipeline-venv /opt/pipeline-venv
+# /checkpoints, /hf-cache and the Neuron compile cache (the path configs/targets set) are bind mounts at run time; they exist (and belong to
+# the user) so a run without a mount still works.
+RUN useradd --create-home --uid "${PIPELINE_UID}" --shell /bin/sh pipeline \
+    && mkdir -p /checkpoints /hf-cache /var/tmp/neuron-compile-cache \
+    && chown pipeline:pipeline /checkpoints /hf-cache /var/tmp/neuron-compile-cache \
+    && chmod 1777 /home/pipeline
+COPY docker/entrypoint.sh /usr/local/bin/pipeline-entrypoint
+COPY Makefile requirements.lock requirements-dev.lock /opt/pipeline/
+COPY configs/ /opt/pipeline/configs/
+COPY pipeline/ /opt/pipeline/pipeline/
+# HOME is world-writable so `docker run --user <host uid>` (files on the mounts owned by the
+# caller) works without a passwd entry.
+ENV PATH=/opt/pipeline-venv/bin:${PATH} \
+    HOME=/home/pipeline \
+    PIPELINE_CHECKPOINTS=/checkpoints \
+    HF_HOME=/hf-cache \
+    NEURON_COMPILE_CACHE_URL=/var/tmp/neuron-compile-cache \
+    PYTHONUNBUFFERED=1
+USER ${PIPELINE_UID}
+WORKDIR /opt/pipeline
+ENTRYPOINT ["/usr/local/bin/pipeline-entrypoint"]
+CMD ["doctor"]

