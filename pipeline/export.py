@@ -52,10 +52,11 @@ class ExportConfig:
     max_shard_size: str = "5GB"
     step: int | None = None
     force: bool = False
+    output: Path | None = None  # default <run_dir>/export
 
     @property
     def target(self) -> Path:
-        return self.run_dir / EXPORT_DIR
+        return Path(self.output) if self.output else self.run_dir / EXPORT_DIR
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -125,6 +125,10 @@ def run(args: argparse.Namespace) -> Verification:
 
 
 def verify(checkpoint: Path, reference: Path, run_dir: Path | None, output: Path) -> Verification:
+    import transformers
+
+    # One progress bar per from_pretrained would bury the table and the one-line error.
+    transformers.utils.logging.disable_progress_bar()
     result = Verification(checkpoint, reference, run_dir, output)
     try:
         _run_checks(result)
@@ -139,7 +143,7 @@ def _run_checks(result: Verification) -> None:
         report = hf_checkpoint.validate(result.checkpoint)
         ref_report = hf_checkpoint.validate(result.reference)
     except PipelineError as err:
-        result.add("files", False, str(err))
+        result.add("files", False, err.problem)
         return  # unsafe or inconsistent on disk: nothing is loaded from it
     result.add("files", True, f"{len(report.tensors)} tensors in {len({t.shard for t in report.tensors.values()})} shards")
     manifest = None
@@ -148,7 +152,7 @@ def _run_checks(result: Verification) -> None:
             manifest = export_stage.check_manifest(result.checkpoint)
             result.add("manifest", True, f"{len(manifest['files'])} files match their sha256")
         except PipelineError as err:
-            result.add("manifest", False, str(err))
+            result.add("manifest", False, err.problem)
     _check_load(result)
     _check_keys(result, report, ref_report)
     step = manifest.get("step") if manifest else None
