@@ -103,7 +103,8 @@ def collect(model_dir: Path, model: str) -> Collection:
         collection.runs.append(Run(name, directory, records, _planned_steps(directory), _read_verify(directory, collection)))
     _add_notes(collection)
     if not collection.runs:
-        raise PipelineError(f"no run under {model_dir} has metrics ({METRICS_FILE}).",
+        empty = f" (without: {', '.join(collection.without_metrics)})" if collection.without_metrics else ""
+        raise PipelineError(f"no run under {model_dir} has metrics ({METRICS_FILE}){empty}.",
                             f"train first, e.g. `make train-native MODEL={model}`.")
     return collection
 
