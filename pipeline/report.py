@@ -27,6 +27,8 @@ VERIFY_FILE = "verify.json"
 REQUIRED_KEYS = ("step", "loss")
 # Fixed per path so a path keeps its colour from one report to the next.
 PATH_COLOURS = {"hf": "tab:blue", "native": "tab:orange", "nki": "tab:green"}
+# Paths that agree draw exactly on top of each other: distinct dashes and markers keep each visible.
+PATH_STYLES = {"hf": ("-", "o"), "native": ("--", "s"), "nki": (":", "^")}
 # Directories beside the runs that are never runs themselves.
 NOT_RUNS = {REPORT_DIR, "data"}
 
@@ -272,18 +274,22 @@ def draw_curves(collection: Collection, output: Path) -> None:
         for r in collection.runs:
             steps, values = r.series(key)
             if steps:
-                ax.plot(steps, values, marker="o", markersize=3, linewidth=1.5,
+                linestyle, marker = PATH_STYLES.get(r.path, ("-", "o"))
+                ax.plot(steps, values, linestyle=linestyle, marker=marker, markersize=4, linewidth=1.8,
                         color=PATH_COLOURS.get(r.path), label=r.path)
         ax.set_title(title, fontsize=12)
         ax.set_ylabel(ylabel, fontsize=10)
         ax.grid(True, alpha=0.3)
     loss_ax = axes.flat[0]
+    marked = 0
     for r in collection.runs:
         step1 = next((rec["loss"] for rec in r.records if rec["step"] == 1), None)
         if step1 is not None:
             loss_ax.scatter([1], [step1], s=90, marker="*", zorder=3, color=PATH_COLOURS.get(r.path), edgecolors="black")
-            loss_ax.annotate(f"{r.path} step 1: {step1:.4f}", (1, step1), xytext=(8, 4), textcoords="offset points",
-                             fontsize=9)
+            # Stacked labels: equal step-1 losses (the point of comparing paths) would otherwise overprint.
+            loss_ax.annotate(f"{r.path} step 1: {step1:.6f}", (1, step1), xytext=(10, 6 - 13 * marked),
+                             textcoords="offset points", fontsize=9, color=PATH_COLOURS.get(r.path, "black"))
+            marked += 1
     for ax in axes[1]:
         ax.set_xlabel("step", fontsize=10)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
