@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from conftest import read_metrics, run_pipeline
 from pipeline import export as export_stage
 from pipeline import hf_checkpoint
+from pipeline.__main__ import main
 from pipeline.errors import PipelineError
 
 MODELS = ("tiny", "tiny-moe")
@@ -101,8 +102,9 @@ def test_step0_export_is_bitwise_the_source(runs, tmp_path, model):
         assert config["num_local_experts"] == 4 and config["num_experts_per_tok"] == 2
 
 
-def test_default_export_is_bf16_of_the_last_step_through_the_cli(runs):
-    run_pipeline("export", "--model", "tiny-moe", "--run", "native", "--max-shard-size", "10MB", "--force", root=runs)
+def test_default_export_is_bf16_of_the_last_step(runs, monkeypatch):
+    monkeypatch.setenv("PIPELINE_CHECKPOINTS", str(runs))
+    assert main(["export", "--model", "tiny-moe", "--run", "native", "--max-shard-size", "10MB", "--force"]) == 0
     out = runs / "tiny-moe" / "native" / "export"
     index = json.loads((out / hf_checkpoint.INDEX).read_text())
     assert len(set(index["weight_map"].values())) > 1  # the shard-size limit was applied
@@ -129,12 +131,14 @@ def test_existing_export_is_refused_and_force_replaces_it(runs, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["e"]  # no temp or old folder left
 
 
-def test_cli_refusal_is_one_line_and_nonzero(runs):
+def test_cli_refusal_is_one_line_and_nonzero(runs, monkeypatch, capsys):
+    monkeypatch.setenv("PIPELINE_CHECKPOINTS", str(runs))
     out = runs / "tiny" / "native" / "export"
     out.mkdir(exist_ok=True)
-    result = run_pipeline("export", "--model", "tiny", "--run", "native", root=runs, check=False)
-    assert result.returncode == 2
-    assert result.stderr.strip().count("\n") == 0 and "already exists" in result.stderr
+    assert main(["export", "--model", "tiny", "--run", "native"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("error:") and "already exists" in err
+    assert list(out.iterdir()) == []
     shutil.rmtree(out)
 
 
