@@ -38,7 +38,7 @@ from pipeline.fsutil import atomic_write_text
 
 VERIFY_FILE = "verify.json"
 # |export − reference| allowed for the step-1 loss, by export dtype: fp32 is the same
-# arithmetic (measured ≤1e-6), bf16 rounds every weight (measured ~1e-3 on tiny).
+# arithmetic (measured 5e-7 on tiny), bf16 rounds every weight (measured 4e-5 on tiny; looser for depth).
 EXPORT_LOSS_TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
 # |logged − plain transformers| for the source, by training precision.
 LOGGED_LOSS_TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
