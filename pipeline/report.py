@@ -92,8 +92,7 @@ def collect(model_dir: Path, model: str) -> Collection:
         raise PipelineError(f"{model_dir} does not exist: nothing has been run for {model!r}.",
                             f"run `make download data train-native MODEL={model}` first.")
     collection = Collection(model, model_dir)
-    for name in _candidate_dirs(model_dir):
-        directory = model_dir / name
+    for name, directory in _candidate_dirs(model_dir):
         metrics = directory / METRICS_FILE
         records = _read_metrics(metrics, collection.warnings) if metrics.is_file() else []
         if not records:
@@ -111,12 +110,15 @@ def collect(model_dir: Path, model: str) -> Collection:
     return collection
 
 
-def _candidate_dirs(model_dir: Path) -> list[str]:
-    # Known paths first and in their usual order; anything else that looks like a run after them.
+def _candidate_dirs(model_dir: Path) -> list[tuple[str, Path]]:
+    # Known paths first and in their usual order (the hf path runs in <name>/hf-run, see
+    # paths.RUN_DIR_NAMES); anything else that looks like a run after them.
+    known = {paths.RUN_DIR_NAMES.get(p, p): p for p in PATHS}
     others = sorted(p.name for p in model_dir.iterdir()
-                    if p.is_dir() and p.name not in PATHS and p.name not in NOT_RUNS and not p.name.startswith(".")
-                    and _looks_like_run(p))
-    return [p for p in PATHS if (model_dir / p).is_dir()] + others
+                    if p.is_dir() and p.name not in known and p.name not in PATHS and p.name not in NOT_RUNS
+                    and not p.name.startswith(".") and _looks_like_run(p))
+    found = [(path, model_dir / folder) for folder, path in known.items() if (model_dir / folder).is_dir()]
+    return found + [(name, model_dir / name) for name in others]
 
 
 def _looks_like_run(directory: Path) -> bool:

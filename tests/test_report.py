@@ -100,7 +100,7 @@ def test_synthetic_layout_notes_warnings_and_verify(tmp_path):
     # Synthetic metrics (same schema as the trainer's) to reach layouts a short real run does not make.
     model = tmp_path / "m"
     _write_metrics(model / "native", [3.0, 2.5, 2.0, 1.5, 1.25], steps_planned=5)
-    _write_metrics(model / "hf", [3.1, 2.6], steps_planned=4)
+    _write_metrics(model / "hf-run", [3.1, 2.6], steps_planned=4)
     (model / "nki").mkdir()
     (model / "nki" / "run.json").write_text(json.dumps({"steps": 5}))  # launched, died before step 1
     (model / "data").mkdir()
