@@ -45,7 +45,8 @@ train-nki: setup ## native Qwen3 with NKI kernels (RoPE, MoE) via torchtitan's o
 	$(PIPE) train --path nki $(TRAIN_FLAGS)
 
 export: setup ## HF safetensors of a run's last checkpoint: checkpoints/<name>/<RUN>/export
-	$(PIPE) export --model $(MODEL) --run $(RUN) $(if $(FORCE),--force)
+	$(PIPE) export --model $(MODEL) --run $(RUN) $(if $(FORCE),--force) $(if $(DTYPE),--dtype $(DTYPE)) \
+	  $(if $(MAX_SHARD_SIZE),--max-shard-size $(MAX_SHARD_SIZE))
 
 verify-checkpoint: setup ## reload an export: zero missing keys, tensors, step-1 loss → verify.json
 	$(PIPE) verify $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT) --reference $(REFERENCE),--model $(MODEL) --run $(RUN))
@@ -71,7 +72,11 @@ launch-eks: setup ## render Kubernetes manifests for NODES trn2 nodes
 pipeline: setup ## the whole pipeline on the embedded defaults (tiny and tiny-moe)
 	set -e; for m in $(EMBEDDED_MODELS); do \
 	  $(MAKE) --no-print-directory download data MODEL=$$m; \
-	  $(MAKE) --no-print-directory train-native MODEL=$$m FRESH=1; \
+	  for p in hf native nki; do \
+	    $(MAKE) --no-print-directory train-$$p MODEL=$$m FRESH=1; \
+	    $(MAKE) --no-print-directory export verify-checkpoint MODEL=$$m RUN=$$p FORCE=1 DTYPE=fp32; \
+	  done; \
+	  $(MAKE) --no-print-directory report MODEL=$$m; \
 	done
 
 test: setup ## the test suite (CPU only)
