@@ -37,3 +37,15 @@ def checkpoints(tmp_path_factory) -> Path:
         run_pipeline("download", "--model", model, root=root)
         run_pipeline("data", "--model", model, root=root)
     return root
+
+
+# The container test builds a full image on a private Docker engine (minutes on 2 cores);
+# it is collected only when asked for, and the report header says so either way.
+CONTAINER_TESTS = os.environ.get("PIPELINE_CONTAINER_TESTS") == "1"
+collect_ignore = [] if CONTAINER_TESTS else ["test_container.py"]
+
+
+def pytest_report_header(config):
+    if not CONTAINER_TESTS:
+        return "tests/test_container.py not collected: set PIPELINE_CONTAINER_TESTS=1 (needs root to start dockerd)"
+    return "container tests: on"
