@@ -29,7 +29,8 @@ BASE_TAG = "local/debian-py311:bookworm"
 TEST_DOCKERD_DIR = "/tmp/pipeline-dockerd-tests"
 # torch 2.14.1's CUDA build needs NVIDIA wheels at import; the CPU build nearest it is on local disk.
 CPU_TORCH = "torch==2.13.0+cpu"
-NOT_IN_CPU_IMAGE = re.compile(r"^(nvidia-|cuda-|triton==|pytest==|iniconfig==|pluggy==)", re.I)
+# triton stays: torchtitan 0.3.0 imports it unconditionally (minimal_async_ep kernels).
+NOT_IN_CPU_IMAGE = re.compile(r"^(nvidia-|cuda-|pytest==|iniconfig==|pluggy==)", re.I)
 # This machine's pip setup (`pip config list`): PyPI plus local file indexes and CA certificates.
 PIP_MOUNTS = tuple(p for p in ("/opt/pypi", "/opt/pypi-more", "/opt/wheels", "/etc/ssl/certs") if Path(p).is_dir())
 PIP_ENV = {"PIP_EXTRA_INDEX_URL": "file:///opt/pypi/simple file:///opt/pypi-more/simple", "PIP_FIND_LINKS": "/opt/wheels",
