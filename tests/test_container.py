@@ -1,10 +1,12 @@
 """The image, built and run by a real Docker engine.
 
 No registry is reachable here, so the base is a Debian bookworm (Python 3.11, like the CPU
-wheels) made with mmdebstrap and imported. The test image is the same Dockerfile with a CPU
-lock: requirements-dev.lock with torch 2.13.0+cpu instead of the 2.14.1 CUDA build, whose
-NVIDIA wheels (~2.5 GB) a CPU test has no use for. The wheelhouse is made inside that base by
-the same code `make image` uses, from the local pip indexes mounted in.
+wheels) made with mmdebstrap and imported. The test image is the same Dockerfile with
+requirements-dev.lock minus the test runner: torch 2.14.1's CUDA build and its NVIDIA wheels
+(~2.5 GB) are heavy, but the only CPU build on local disk, torch 2.13.0+cpu, cannot run
+torchtitan 0.3.0 (its FSDP needs torch 2.14: "When dp_mesh_dims is provided, all parameters
+must be DTensors"). The wheelhouse is made inside that base by the same code `make image` uses,
+from the local pip indexes mounted in.
 Engine: DOCKER_HOST if it answers, else one started with .ci/dockerd.sh (root); skipped only
 when neither works.
 """
@@ -27,10 +29,8 @@ from conftest import REPO, read_metrics, run_pipeline
 
 BASE_TAG = "local/debian-py311:bookworm"
 TEST_DOCKERD_DIR = "/tmp/pipeline-dockerd-tests"
-# torch 2.14.1's CUDA build needs NVIDIA wheels at import; the CPU build nearest it is on local disk.
-CPU_TORCH = "torch==2.13.0+cpu"
-# triton stays: torchtitan 0.3.0 imports it unconditionally (minimal_async_ep kernels).
-NOT_IN_CPU_IMAGE = re.compile(r"^(nvidia-|cuda-|pytest==|iniconfig==|pluggy==)", re.I)
+# triton and the NVIDIA wheels stay: torchtitan 0.3.0 imports triton, torch's CUDA build loads cudart.
+NOT_IN_CPU_IMAGE = re.compile(r"^(pytest==|iniconfig==|pluggy==)", re.I)
 # This machine's pip setup (`pip config list`): PyPI plus local file indexes and CA certificates.
 PIP_MOUNTS = tuple(p for p in ("/opt/pypi", "/opt/pypi-more", "/opt/wheels", "/etc/ssl/certs") if Path(p).is_dir())
 PIP_ENV = {"PIP_EXTRA_INDEX_URL": "file:///opt/pypi/simple file:///opt/pypi-more/simple", "PIP_FIND_LINKS": "/opt/wheels",
@@ -94,8 +94,8 @@ def cpu_lock(tmp_path_factory) -> Path:
     for line in (REPO / "requirements-dev.lock").read_text().splitlines():
         if not line.strip() or line.startswith("#") or NOT_IN_CPU_IMAGE.match(line):
             continue
-        lines.append(CPU_TORCH if line.startswith("torch==") else line)
-    assert CPU_TORCH in lines, "requirements-dev.lock no longer pins torch"
+        lines.append(line)
+    assert any(line.startswith("torch==") for line in lines), "requirements-dev.lock no longer pins torch"
     lock = tmp_path_factory.mktemp("lock") / "requirements-cpu-test.lock"
     lock.write_text("# requirements-dev.lock for a CPU test image (tests/test_container.py)\n" + "\n".join(lines) + "\n")
     return lock
@@ -170,8 +170,8 @@ def test_train_native_in_container_matches_host(engine, image, tmp_path, capfd):
     metrics = read_metrics(ctr_root / "tiny" / "native")
     assert [m["step"] for m in metrics][:3] == [1, 2, 3]
     ctr_step1 = metrics[0]
-    # Same data, seed and weights; torch 2.13 (image) vs 2.14.1 (host) may differ in the last bits.
-    assert abs(ctr_step1["loss"] - host_step1["loss"]) <= 1e-4 * abs(host_step1["loss"]), (ctr_step1, host_step1)
+    # Same data, seed, weights and torch build as the host run.
+    assert abs(ctr_step1["loss"] - host_step1["loss"]) <= 1e-5 * abs(host_step1["loss"]), (ctr_step1, host_step1)
     record = json.loads(MEASURE.read_text()) if MEASURE.exists() else {}
     record.update({"host_step1_loss": host_step1["loss"], "container_step1_loss": ctr_step1["loss"],
                    "container_stages_seconds": seconds})
