@@ -77,7 +77,8 @@ def resolve(args: argparse.Namespace) -> RunSpec:
         tensorboard=cfg.tensorboard, peak_flops_per_rank=target.peak_flops_per_rank(cfg.lnc),
     )
     _check_parallelism(spec)
-    if target.name == "cpu":
+    if target.name == "cpu" and args.path != "hf":
+        # The hf path's transformers model has its own attention and experts: nothing to replace.
         from pipeline.cpu_overrides_names import CPU_OVERRIDES
 
         spec.overrides = list(CPU_OVERRIDES)
