@@ -122,15 +122,23 @@ def _check_parallelism(spec: RunSpec) -> None:
                             "set data_parallel_shard = -1 to use every remaining rank.")
 
 
+NODE_LOG_SUBDIR = "node-${SLURM_NODEID:-${JOB_COMPLETION_INDEX:-${NODE_RANK:-0}}}"
+
+
 def torchrun_command(spec: RunSpec) -> list[str]:
     run_json = str(Path(spec.run_dir) / "run.json")
+    log_dir = f"{spec.run_dir}/logs"
     if spec.nnodes == 1:
         launch = ["--standalone", "--nnodes=1"]
     else:
         launch = [f"--nnodes={spec.nnodes}", "--rdzv-backend=c10d", "--rdzv-endpoint=${MASTER_ADDR}:${MASTER_PORT:-29500}",
                   "--rdzv-id=${RDZV_ID}"]
+        # In one shared log dir every node's torchrun writes <rdzv id>_<random>/attempt_0/<local rank 0..>,
+        # so which node wrote a log is lost; a subdir per node keeps it. The node's shell expands it
+        # (Slurm, an EKS Indexed Job, or NODE_RANK set by hand).
+        log_dir += f"/{NODE_LOG_SUBDIR}"
     return [sys.executable, "-m", "torch.distributed.run", *launch, f"--nproc-per-node={spec.nproc_per_node}",
-            "--local-ranks-filter=0", "--role=rank", "--tee=3", f"--log-dir={spec.run_dir}/logs",
+            "--local-ranks-filter=0", "--role=rank", "--tee=3", f"--log-dir={log_dir}",
             "-m", "pipeline.titan_entry", run_json]
 
 

@@ -57,6 +57,23 @@ def test_slurm_node_command_expands_rendezvous_on_the_node(tmp_path):
     result = subprocess.run(["bash", "-c", probe], capture_output=True, text=True)
     assert "--rdzv-endpoint=node-a:29500" in result.stdout, result.stdout + result.stderr
     assert "--rdzv-id=77" in result.stdout
+    # Each node's torchrun logs go to its own subdir of the shared run dir.
+    logs = {}
+    for env in ("SLURM_NODEID=0", "SLURM_NODEID=1", "JOB_COMPLETION_INDEX=3", "NODE_RANK=5", ""):
+        node = subprocess.run(["bash", "-c", probe.replace("MASTER_ADDR=node-a", f"{env} MASTER_ADDR=node-a")],
+                              capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
+        (arg,) = [a for a in node.stdout.split() if a.startswith("--log-dir=")]
+        logs[env] = arg.removeprefix("--log-dir=")
+    base = "/fsx/checkpoints/Qwen3-4B-Instruct-2507/native/logs"
+    assert logs == {"SLURM_NODEID=0": f"{base}/node-0", "SLURM_NODEID=1": f"{base}/node-1",
+                    "JOB_COMPLETION_INDEX=3": f"{base}/node-3", "NODE_RANK=5": f"{base}/node-5", "": f"{base}/node-0"}
+
+
+def test_single_node_log_dir_has_no_shell_variables(tmp_path):
+    """`train` runs torchrun without a shell on one node: nothing in its command may need expanding."""
+    result = run_pipeline("train", "--model", MODEL, "--path", "native", "--target", "trn2", "--dry-run", root=tmp_path)
+    command = result.stdout.split("launch command:")[1]
+    assert "${" not in command and "--log-dir=" in command and "/native/logs " in command
 
 
 def test_eks_manifests(tmp_path):
@@ -85,6 +102,10 @@ def test_eks_manifests(tmp_path):
     command = container["command"][-1]
     assert "torch.distributed.run --nnodes=3 --rdzv-backend=c10d" in command and "--nproc-per-node=64" in command
     assert command.endswith("/etc/pipeline/run.json")
+    # The pod's bash -c expands the node subdir from the Indexed Job's completion index.
+    expanded = subprocess.run(["bash", "-c", "echo " + command], capture_output=True, text=True,
+                              env={"PATH": "/usr/bin:/bin", "JOB_COMPLETION_INDEX": "2", "MASTER_ADDR": "m", "RDZV_ID": "r"})
+    assert "--log-dir=/checkpoints/Qwen3-4B-Instruct-2507/native/logs/node-2 " in expanded.stdout, expanded.stdout
     spec = json.loads(kinds["ConfigMap"]["data"]["run.json"])
     assert spec["nnodes"] == 3 and spec["run_dir"] == "/checkpoints/Qwen3-4B-Instruct-2507/native"
 
