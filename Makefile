@@ -1,6 +1,6 @@
 # The pipeline, one target per stage. Every target only calls `python -m pipeline <stage>`.
 # Variables: MODEL (Hub id, local dir, tiny, tiny-moe), TARGET (cpu|cuda|trn2, detected),
-# STEPS, SEQ_LEN, DRY_RUN=1, RUN (hf|native|nki, for export/verify).
+# STEPS, SEQ_LEN, DRY_RUN=1, RUN (hf|native|nki, for export/verify), IN_CONTAINER=1 and IMAGE.
 SHELL := /bin/bash
 # glibc returns large buffers to the OS after every step on CPU otherwise (page-fault bound).
 export MALLOC_MMAP_THRESHOLD_ ?= 4294967296
@@ -14,7 +14,10 @@ MODEL ?= $(if $(HAS_NEURON),Qwen/Qwen3-4B-Instruct-2507,tiny)
 RUN ?= native
 TRAIN_FLAGS := --model $(MODEL) $(if $(TARGET),--target $(TARGET)) $(if $(STEPS),--steps $(STEPS)) \
                $(if $(SEQ_LEN),--seq-len $(SEQ_LEN)) $(if $(DRY_RUN),--dry-run) $(if $(FRESH),--fresh)
-PIPE := $(PY) -m pipeline
+HOST_PIPE := $(PY) -m pipeline
+# IN_CONTAINER=1: every stage runs inside the image (IMAGE, default the lock-derived tag) through
+# `python -m pipeline image --run`; image, doctor and launch-* always run on the host.
+PIPE := $(if $(IN_CONTAINER),$(HOST_PIPE) image $(if $(IMAGE),--image $(IMAGE)) --run,$(HOST_PIPE))
 EMBEDDED_MODELS := tiny tiny-moe
 
 .PHONY: help setup download data train-hf train-native train-nki export verify-checkpoint verify-kernels report \
@@ -58,16 +61,16 @@ report: setup ## loss curves and summary of every run of MODEL → checkpoints/<
 	$(PIPE) report --model $(MODEL)
 
 image: setup ## build the container image (Docker SDK), tag from the lock's hash
-	$(PIPE) image $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE))
+	$(HOST_PIPE) image $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE))
 
 doctor: setup ## what this host has vs what the pipeline needs
-	$(PIPE) doctor
+	$(HOST_PIPE) doctor
 
 launch-slurm: setup ## render an sbatch script for NODES trn2 nodes
-	$(PIPE) launch --scheduler slurm --nodes $(or $(NODES),2) --model $(MODEL)
+	$(HOST_PIPE) launch --scheduler slurm --nodes $(or $(NODES),2) --model $(MODEL)
 
 launch-eks: setup ## render Kubernetes manifests for NODES trn2 nodes
-	$(PIPE) launch --scheduler eks --nodes $(or $(NODES),2) --model $(MODEL)
+	$(HOST_PIPE) launch --scheduler eks --nodes $(or $(NODES),2) --model $(MODEL)
 
 pipeline: setup ## the whole pipeline on the embedded defaults (tiny and tiny-moe)
 	set -e; for m in $(EMBEDDED_MODELS); do \

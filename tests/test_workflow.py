@@ -72,3 +72,27 @@ def test_workflow_shape():
     for needed in ("metrics.jsonl", "verify.json", "*.log", "upload-artifact"):
         assert needed in text
     assert flow["env"]["IN_CONTAINER"] == "1"
+
+
+def _make_dry(target: str, **env: str) -> list[str]:
+    import os
+
+    result = subprocess.run(["make", "-n", "--no-print-directory", target, "MODEL=tiny"], cwd=REPO, capture_output=True,
+                            text=True, env={**{k: v for k, v in os.environ.items() if k not in ("IN_CONTAINER", "IMAGE")},
+                                            **env})
+    assert result.returncode == 0, result.stderr
+    return [line for line in result.stdout.splitlines() if "-m pipeline" in line]
+
+
+def test_in_container_runs_stages_in_the_image_and_the_rest_on_the_host():
+    """The workflow's IN_CONTAINER=1 (an environment variable) reaches the Makefile's PIPE."""
+    for stage in ("download", "data", "train-native", "export", "verify-checkpoint", "verify-kernels", "report"):
+        (line,) = _make_dry(stage, IN_CONTAINER="1", IMAGE="reg/qwen3:7")
+        assert " -m pipeline image --image reg/qwen3:7 --run " in line, line
+        (line,) = _make_dry(stage, IN_CONTAINER="1")
+        assert " -m pipeline image  --run " in line, line  # the image's own default: the lock-derived tag
+        (line,) = _make_dry(stage)
+        assert " -m pipeline image" not in line, line
+    for host_only in ("image", "doctor", "launch-slurm", "launch-eks"):
+        (line,) = _make_dry(host_only, IN_CONTAINER="1")
+        assert "--run" not in line, line
