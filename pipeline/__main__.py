@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import sys
 
@@ -23,6 +24,19 @@ STAGES = {
 }
 
 
+class StageParser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line naming the fix, like every other bad input."""
+
+    def error(self, message):
+        self.exit(2, f"error: {self.prog}: {message}. Fix: see `{self.prog} --help`.\n")
+
+
+# Writing where the user pointed us but cannot write is a user error in any stage.
+UNWRITABLE = {errno.EACCES: "is not writable", errno.EROFS: "is on a read-only file system",
+              errno.ENOTDIR: "has a file where a directory is needed", errno.ENOSPC: "is on a full disk",
+              errno.EDQUOT: "is over its disk quota"}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv
@@ -34,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.parse_args(argv[:1] or ["--help"])
     stage = argv[0]
     module = importlib.import_module(STAGES[stage][0])  # only the chosen stage is imported
-    stage_parser = argparse.ArgumentParser(prog=f"python -m pipeline {stage}", description=STAGES[stage][1])
+    stage_parser = StageParser(prog=f"python -m pipeline {stage}", description=STAGES[stage][1])
     stage_parser.add_argument("--debug", action="store_true", help="show tracebacks")
     module.add_arguments(stage_parser)
     args = stage_parser.parse_args(argv[1:])
@@ -44,6 +58,12 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             raise
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        if debug or err.errno not in UNWRITABLE or not err.filename:
+            raise
+        print(f"error: {err.filename} {UNWRITABLE[err.errno]} ({err.strerror}). Fix: free space or choose a writable "
+              "location (PIPELINE_CHECKPOINTS sets the checkpoints root).", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

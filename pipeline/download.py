@@ -38,11 +38,17 @@ def run(args: argparse.Namespace) -> Path:
         hf_checkpoint.validate(target)
         print(f"{target} already exists and is valid; nothing to do (--force to replace).")
         return target
+    # Fail on an unwritable checkpoints root now, not after minutes of making or fetching weights.
+    target.parent.mkdir(parents=True, exist_ok=True)
     if paths.is_embedded(args.model):
         provenance = embedded.bootstrap(args.model, target) if not target.exists() else _rebuild(args.model, target)
         print(f"made embedded {args.model}: pretraining loss {provenance['first_loss']:.3f} → {provenance['final_loss']:.3f}")
     elif Path(args.model).is_dir():
         _import_local(Path(args.model), target, replace=args.force)
+    elif args.model.startswith(("/", ".", "~")) or args.model.count("/") > 1:
+        # Hub ids are exactly org/name; anything else with slashes was meant as a directory.
+        raise PipelineError(f"MODEL={args.model!r} is not an existing directory (and not a Hub id org/name).",
+                            "check the path.")
     elif "/" in args.model and not Path(args.model).exists():
         _download_hub(args.model, args.revision, target, replace=args.force)
     else:
@@ -73,7 +79,7 @@ def _import_local(source: Path, target: Path, replace: bool) -> None:
 
 def _download_hub(repo_id: str, revision: str | None, target: Path, replace: bool) -> None:
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
 
     pinned = known_models().get(repo_id, {}).get("revision")
     revision = revision or pinned or "main"
@@ -88,6 +94,8 @@ def _download_hub(repo_id: str, revision: str | None, target: Path, replace: boo
     except LocalEntryNotFoundError as err:
         raise PipelineError(f"{repo_id} is not in the local cache and the Hub cannot be reached (HF_HUB_OFFLINE or no network).",
                             "run once with network access, or give MODEL as a local directory.") from err
+    except HFValidationError as err:
+        raise PipelineError(f"MODEL={repo_id!r} is not a valid Hub id.", "give it as org/name, e.g. Qwen/Qwen3-0.6B.") from err
     except HfHubHTTPError as err:
         raise PipelineError(f"the Hub refused {repo_id}@{revision}: {err.__class__.__name__}.",
                             "check the repo id and revision, and HF_TOKEN for gated repos.") from err

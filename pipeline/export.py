@@ -69,6 +69,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> Path:
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    try:
+        parse_size_to_int(args.max_shard_size)
+    except ValueError as err:
+        raise PipelineError(f"MAX_SHARD_SIZE={args.max_shard_size!r} is not a size ({err}).",
+                            "give a number with a unit, e.g. 5GB or 500MB.") from err
     config = ExportConfig(run_dir=paths.run_dir(args.model, args.run), dtype=args.dtype,
                           max_shard_size=args.max_shard_size, step=args.step, force=args.force)
     return export(config)
@@ -90,7 +97,10 @@ def weights_file(run_dir: Path, step: int | None = None) -> tuple[int, Path]:
     if not steps:
         raise PipelineError(f"{run_dir} has no checkpoint yet.", "train first (`make train-… STEPS=N`; STEPS=0 saves the loaded weights).")
     if step is None:
-        step = max(steps)
+        # The trainer renames the weights file into place last, so only a step that has it is
+        # complete; a save cut short by a kill is skipped, as torchtitan's resume skips it.
+        complete = [s for s, directory in steps.items() if (directory / WEIGHTS_FILE).exists()]
+        step = max(complete or steps)
     elif step not in steps:
         raise PipelineError(f"{run_dir} has no checkpoint of step {step} (it has {sorted(steps)}).", "pick one of those steps.")
     path = steps[step] / WEIGHTS_FILE

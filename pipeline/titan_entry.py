@@ -7,7 +7,10 @@ Trainer.Config, and runs torchtitan's trainer exactly as `torchtitan.train` does
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
+
+ENTERED = time.time()
 
 from pipeline import titan_glue
 from pipeline.run_spec import RunSpec
@@ -109,7 +112,11 @@ def main(argv: list[str] | None = None) -> None:
     from torchtitan.tools.logging import init_logger, logger
 
     init_logger()
+    from pipeline.titan_trainer import TIMINGS
+
+    TIMINGS.update(entry=ENTERED, imported=time.time())
     trainer = build_config(spec).build()
+    TIMINGS["built"] = time.time()
     try:
         trainer.train()
     finally:

@@ -20,6 +20,11 @@ from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
+# Wall-clock marks (time.time()) of one rank's start-up, for the time-to-first-step benchmark:
+# titan_entry sets entry/imported/built, the checkpointer sets loaded, step 1 writes the file.
+TIMINGS: dict[str, float] = {}
+TIMINGS_FILE = "timings.json"
+
 
 def measure_cpu_peak_flops(size: int = 1024, repeats: int = 5) -> float:
     """Best fp32 matmul rate of this process's threads: the honest CPU 'peak' for MFU."""
@@ -74,10 +79,15 @@ class JsonlMetricsProcessor(MetricsProcessor):
                 os.fsync(handle.fileno())
             if step == 1:
                 print(f"step-1 loss: {global_avg_loss:.6f}", flush=True)
+                if TIMINGS:
+                    Path(self.config.jsonl_path).with_name(TIMINGS_FILE).write_text(
+                        json.dumps({**TIMINGS, "step1": record["time"]}) + "\n")
 
 
 # Beside each DCP checkpoint: the full (unsharded) model state dict, torchtitan keys. DCP's own
 # .metadata is a pickle, and this project never unpickles a checkpoint; export reads this file.
+# It is renamed into place only after DCP has renamed .metadata into place, so a step with this
+# file is a complete checkpoint; a kill between the two is repaired when that step is resumed.
 WEIGHTS_FILE = "model_weights.safetensors"
 
 
@@ -93,6 +103,16 @@ class WeightsCheckpointManager(CheckpointManager):
         if saved:
             self._save_weights(curr_step)
         return saved
+
+    def _load(self, step: int = -1) -> bool:
+        loaded = super()._load(step)
+        resumed = self._find_load_step() if step == -1 else step
+        if loaded and resumed >= 0 and not (Path(self._create_checkpoint_id(resumed)) / WEIGHTS_FILE).exists():
+            # Killed after DCP finished this step but before its weights file: the resumed
+            # run may never save this step again (e.g. it was the last), so write it now.
+            self._save_weights(resumed)
+        TIMINGS["loaded"] = time.time()
+        return loaded
 
     @torch.no_grad()
     def _save_weights(self, step: int) -> None:
