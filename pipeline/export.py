@@ -21,6 +21,7 @@ with manifest.json (sha256 of every file) written last; an interrupted export le
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import json
 import re
@@ -174,6 +175,7 @@ def write_config(source: Path, tmp: Path, dtype: str, arch: Qwen3Arch) -> None:
 
 def write_shards(state: dict, tmp: Path, max_shard_size: str) -> dict[str, str]:
     from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
     from tqdm import tqdm
 
@@ -182,7 +184,13 @@ def write_shards(state: dict, tmp: Path, max_shard_size: str) -> dict[str, str]:
     total = sum(t.numel() * t.element_size() for t in state.values())
     with tqdm(total=total, unit="B", unit_scale=True, desc="export", disable=total < PROGRESS_MIN_BYTES) as bar:
         for filename, keys in split.filename_to_tensors.items():
-            save_file({k: state[k].contiguous() for k in keys}, str(tmp / filename), metadata={"format": "pt"})
+            try:
+                save_file({k: state[k].contiguous() for k in keys}, str(tmp / filename), metadata={"format": "pt"})
+            except SafetensorError as err:
+                # safetensors reports a full disk as its own error type; name it the way the CLI does.
+                if "os error 28" in str(err):
+                    raise OSError(errno.ENOSPC, "No space left on device", str(tmp.parent)) from err
+                raise
             bar.update(sum(state[k].numel() * state[k].element_size() for k in keys))
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(split.tensor_to_filename.items()))}
     (tmp / hf_checkpoint.INDEX).write_text(json.dumps(index, indent=2) + "\n")
