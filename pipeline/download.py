@@ -38,9 +38,9 @@ def run(args: argparse.Namespace) -> Path:
         hf_checkpoint.validate(target)
         print(f"{target} already exists and is valid; nothing to do (--force to replace).")
         return target
-    # Fail on an unwritable checkpoints root now, not after minutes of making or fetching weights.
-    target.parent.mkdir(parents=True, exist_ok=True)
     if paths.is_embedded(args.model):
+        # Fail on an unwritable checkpoints root now, not after minutes of making the weights.
+        target.parent.mkdir(parents=True, exist_ok=True)
         provenance = embedded.bootstrap(args.model, target) if not target.exists() else _rebuild(args.model, target)
         print(f"made embedded {args.model}: pretraining loss {provenance['first_loss']:.3f} → {provenance['final_loss']:.3f}")
     elif Path(args.model).is_dir():
