@@ -21,7 +21,7 @@ PIPE := $(if $(IN_CONTAINER),$(HOST_PIPE) image $(if $(IMAGE),--image $(IMAGE)) 
 EMBEDDED_MODELS := tiny tiny-moe
 
 .PHONY: help setup download data train-hf train-native train-nki export verify-checkpoint verify-kernels report \
-        image doctor launch-slurm launch-eks pipeline test clean
+        image doctor launch-slurm launch-eks pipeline test bench clean
 
 help: ## list the targets
 	@grep -hE '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -84,6 +84,9 @@ pipeline: setup ## the whole pipeline on the embedded defaults (tiny and tiny-mo
 
 test: setup ## the test suite (CPU only)
 	$(PY) -m pytest -q tests
+
+bench: setup ## measure overhead, time to first step, scaling, export/verify, memory → bench/results.json (BENCH_REPEATS, BENCH_ONLY)
+	BENCH_REPEATS=$(BENCH_REPEATS) BENCH_ONLY=$(BENCH_ONLY) $(PY) bench/run.py
 
 clean: ## remove every output under checkpoints/ (keeps the venv)
 	find checkpoints -mindepth 1 -maxdepth 1 ! -name README.md -exec rm -rf {} +
