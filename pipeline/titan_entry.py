@@ -103,8 +103,25 @@ def build_config(spec: RunSpec):
     )
 
 
+def _die_with_torchrun() -> None:
+    # torchrun starts each rank in its own session, so kill -9 of the launch's process group
+    # (or of torchrun) leaves the ranks running, still writing checkpoints and metrics under the
+    # run dir while the user re-runs the same command. Tie each rank's life to torchrun's.
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import os
+    import signal
+
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # torchrun died before the line above
+        os._exit(1)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    _die_with_torchrun()
     spec = RunSpec.load(argv[0])
     titan_glue.apply(spec.target)
 

@@ -78,27 +78,37 @@ def kill_at_step(root: Path, kill_step: int) -> int:
         if metrics.exists():
             seen = max((m["step"] for m in read_metrics(metrics.parent)), default=0)
             if seen >= kill_step:
-                os.killpg(proc.pid, signal.SIGKILL)
+                ranks = descendants(proc.pid)
+                os.killpg(proc.pid, signal.SIGKILL)  # the ranks are in sessions of their own
                 break
         time.sleep(0.05)
     proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL, f"the run ended on its own (status {proc.returncode}) before step {kill_step}"
     time.sleep(1)
-    assert live_members(proc.pid) == [], "processes of the killed group are still running"
+    assert len(ranks) >= 3, f"expected torchrun and 2 ranks under the launch, found {ranks}"
+    alive = [pid for pid, state in processes().items() if pid in ranks and state[0] != "Z"]
+    assert alive == [], f"processes of the killed run are still running: {alive}"
     return seen
 
 
-def live_members(pgid: int) -> list[int]:
-    """Non-zombie processes of a process group (killed ranks may stay zombies where PID 1 does not reap)."""
-    members = []
+def processes() -> dict[int, tuple[str, int]]:
+    """pid → (state, ppid) of every process (killed ones may stay zombies where PID 1 does not reap)."""
+    table = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            members.append(int(stat.parent.name))
-    return members
+        table[int(stat.parent.name)] = (fields[0], int(fields[1]))
+    return table
+
+
+def descendants(pid: int) -> set[int]:
+    table, found, frontier = processes(), set(), {pid}
+    while frontier:
+        frontier = {child for child, (_, parent) in table.items() if parent in frontier} - found
+        found |= frontier
+    return found
 
 
 def test_kill_9_then_rerun_resumes_with_identical_losses(checkpoints, tmp_path):
