@@ -193,8 +193,8 @@ def table(results: dict) -> str:
     if "pipeline" in results:
         lines += ["", f"make pipeline (tiny + tiny-moe, every path): {fmt(results['pipeline']['wall_s'])}"]
     lines += ["", "peak memory (max RSS of the largest process of each stage):"]
-    lines += [f"  {k:28s} {fmt(v, 'MiB')}" if v["n"] > 1 else f"  {k:28s} {v['median']:.0f} MiB (one run)"
-              for k, v in results["memory_mib"].items()]
+    lines += [f"  {k:28s} {v['median']:.0f} MiB (spread {v['spread']:.0f}, n={v['n']})" for k, v in results["memory_mib"].items()]
+    lines += ["", "sections measured at: " + ", ".join(f"{k} {v}" for k, v in results["measured_at"].items())]
     lines += ["", "cuda: no GPU in this run; bench/cuda_check.sh is the prepared GPU check (not run here)."]
     return "\n".join(lines)
 
@@ -219,12 +219,18 @@ def main() -> int:
     for section in only:
         print(f"bench: {section} …", flush=True)
         getattr(bench, section)()
+    out = REPO / "bench" / "results.json"
+    # Sections not run this time keep their earlier figures, each dated, so a slow section can be
+    # measured on its own (BENCH_ONLY) without losing the others.
+    previous = json.loads(out.read_text()) if out.exists() else {}
+    measured = {**previous.get("measured_at", {}), **{s: time.strftime("%Y-%m-%dT%H:%M:%S") for s in only}}
+    kept = {s: previous[s] for s in SECTIONS if s in previous and s not in only}
+    memory = {**previous.get("memory_mib", {}), **{k: summary(v) for k, v in bench.memory.items()}}
     results = {"host": {"cpus": os.cpu_count(), "torch": torch.__version__, "gpu": torch.cuda.is_available()},
-               "repeats": repeats, "sections": only, "total_s": time.time() - started, **bench.results,
-               "memory_mib": {k: summary(v) for k, v in bench.memory.items()}}
+               "repeats": repeats, "sections": only, "total_s": time.time() - started, "measured_at": measured,
+               **kept, **bench.results, "memory_mib": memory}
     text = table(results)
     print(text)
-    out = REPO / "bench" / "results.json"
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(results, indent=2) + "\n")
     os.replace(tmp, out)
