@@ -26,12 +26,10 @@ RUN ${PYTHON} -m venv --system-site-packages /opt/pipeline-venv \
 FROM ${BASE_IMAGE}
 ARG BASE_IMAGE
 ARG LOCK_SHA256=unknown
-ARG PIPELINE_REVISION=unknown
 ARG PIPELINE_UID=1000
 LABEL org.opencontainers.image.title="qwen3-pipeline" \
       org.opencontainers.image.description="Qwen3 training with torchtitan on trn2 (python -m pipeline)" \
       org.opencontainers.image.base.name="${BASE_IMAGE}" \
-      org.opencontainers.image.revision="${PIPELINE_REVISION}" \
       pipeline.lock.sha256="${LOCK_SHA256}" \
       pipeline.neuron.sdk="2.33" \
       pipeline.torch="2.14"
@@ -59,3 +57,7 @@ USER ${PIPELINE_UID}
 WORKDIR /opt/pipeline
 ENTRYPOINT ["/usr/local/bin/pipeline-entrypoint"]
 CMD ["doctor"]
+# Last: the revision changes with every commit, and a changed layer invalidates every step after
+# it, the multi-GB venv copy included.
+ARG PIPELINE_REVISION=unknown
+LABEL org.opencontainers.image.revision="${PIPELINE_REVISION}"

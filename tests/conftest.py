@@ -39,8 +39,9 @@ def checkpoints(tmp_path_factory) -> Path:
     return root
 
 
-# The container test builds a full image on a private Docker engine (minutes on 2 cores);
-# it is collected only when asked for, and the report header says so either way.
+# The container test builds a full image on a private Docker engine (~20 min cold on 2 cores, seconds
+# with the engine's build cache); .ci/run asks for it, a local `make test` only with the variable set.
+# The report header says which, either way.
 CONTAINER_TESTS = os.environ.get("PIPELINE_CONTAINER_TESTS") == "1"
 collect_ignore = [] if CONTAINER_TESTS else ["test_container.py"]
 
