@@ -98,6 +98,13 @@ def load(target: str, path: str, config_file: Path | None = None) -> TrainSettin
     return _apply(settings, data.get("paths", {}).get(path, {}), f"{config_file} [paths.{path}]")
 
 
+def shared_with(settings: TrainSettings, record_type) -> dict:
+    """The settings a RunSpec (or any record) carries under the same names, copied by name so the
+    two can never drift apart field by field."""
+    names = {f.name for f in fields(record_type)}
+    return {f.name: getattr(settings, f.name) for f in fields(settings) if f.name in names}
+
+
 def list_targets() -> list[str]:
     return sorted(p.stem for p in CONFIG_DIR.glob("*.toml") if p.stem != "models")
 

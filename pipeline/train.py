@@ -67,14 +67,9 @@ def resolve(args: argparse.Namespace) -> RunSpec:
     spec = RunSpec(
         model_name=name, path=args.path, target=target.name, hf_dir=str(hf_dir),
         run_dir=str(paths.run_dir(args.model, args.path)), arch=arch.to_dict(),
-        steps=cfg.steps, seq_len=cfg.seq_len, local_batch_size=cfg.local_batch_size, lr=cfg.lr,
-        warmup_steps=cfg.warmup_steps, max_norm=cfg.max_norm, dtype=cfg.dtype, seed=cfg.seed,
-        nproc_per_node=cfg.nproc_per_node, nnodes=cfg.nnodes, tensor_parallel=cfg.tensor_parallel,
-        data_parallel_shard=cfg.data_parallel_shard, sequence_parallel=cfg.sequence_parallel,
-        activation_checkpoint=cfg.activation_checkpoint, compile=cfg.compile, compile_backend=cfg.compile_backend,
-        checkpoint_interval=cfg.checkpoint_interval, keep_latest_k=cfg.keep_latest_k, dataset=cfg.dataset,
         data_file=str(paths.data_file(args.model)) if cfg.dataset == "local" else None,
-        tensorboard=cfg.tensorboard, peak_flops_per_rank=target.peak_flops_per_rank(cfg.lnc),
+        peak_flops_per_rank=target.peak_flops_per_rank(cfg.lnc),
+        **settings.shared_with(cfg, RunSpec),
     )
     _check_parallelism(spec)
     if target.name == "cpu" and args.path != "hf":
