@@ -11,16 +11,16 @@ from pipeline.errors import PipelineError
 
 # stage name → (module with add_arguments(parser) and run(args), one-line help)
 STAGES = {
-    "download": ("pipeline.download", "fetch or make the HF checkpoint (Hub, local dir, or embedded tiny/tiny-moe)"),
-    "data": ("pipeline.data", "write the training text torchtitan's loader reads"),
-    "train": ("pipeline.train", "launch a training path (hf, native, nki) with torchrun"),
-    "export": ("pipeline.export", "write a run's last checkpoint as HF safetensors"),
-    "verify": ("pipeline.verify", "prove an export reloads: keys, tensors, step-1 loss"),
-    "verify-kernels": ("pipeline.verify_kernels", "check every NKI override against its reference"),
-    "report": ("pipeline.report", "loss curves and a summary of a model's runs"),
-    "image": ("pipeline.container", "build the container image through the Docker SDK"),
-    "doctor": ("pipeline.doctor", "what this host has vs what the pipeline needs"),
-    "launch": ("pipeline.launch", "render multi-node launch files (Slurm sbatch, EKS manifests)"),
+    "download": ("pipeline.stages.download", "fetch or make the HF checkpoint (Hub, local dir, or embedded tiny/tiny-moe)"),
+    "data": ("pipeline.stages.data", "write the training text torchtitan's loader reads"),
+    "train": ("pipeline.stages.train", "launch a training path (hf, native, nki) with torchrun"),
+    "export": ("pipeline.stages.export", "write a run's last checkpoint as HF safetensors"),
+    "verify": ("pipeline.stages.verify", "prove an export reloads: keys, tensors, step-1 loss"),
+    "verify-kernels": ("pipeline.stages.verify_kernels", "check every NKI override against its reference"),
+    "report": ("pipeline.stages.report", "loss curves and a summary of a model's runs"),
+    "image": ("pipeline.stages.image", "build the container image through the Docker SDK"),
+    "doctor": ("pipeline.stages.doctor", "what this host has vs what the pipeline needs"),
+    "launch": ("pipeline.stages.launch", "render multi-node launch files (Slurm sbatch, EKS manifests)"),
 }
 
 

@@ -1,0 +1,171 @@
+"""Qwen3's architecture as read from a checkpoint's config.json — the one source of shapes.
+
+Every training path builds its model from this, never from a named torchtitan flavor: the
+built-in `4B` flavor, for example, says rope_theta 1e6 while Qwen3-4B-Instruct-2507 has 5e6.
+Pure Python (no torch), so dry runs and config checks work on any machine.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from pipeline.errors import PipelineError
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe")
+# torchtitan's Qwen3 hard-codes these; a checkpoint that differs cannot be trained faithfully.
+TITAN_RMS_NORM_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class Qwen3Arch:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rms_norm_eps: float
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Hugging Face key → shape, as the Hub stores it (per-expert keys for MoE)."""
+        h, hd = self.hidden_size, self.head_dim
+        shapes: dict[str, tuple[int, ...]] = {
+            "model.embed_tokens.weight": (self.vocab_size, h),
+            "model.norm.weight": (h,),
+        }
+        for i in range(self.num_hidden_layers):
+            p = f"model.layers.{i}."
+            shapes |= {
+                p + "self_attn.q_proj.weight": (self.num_attention_heads * hd, h),
+                p + "self_attn.k_proj.weight": (self.num_key_value_heads * hd, h),
+                p + "self_attn.v_proj.weight": (self.num_key_value_heads * hd, h),
+                p + "self_attn.o_proj.weight": (h, self.num_attention_heads * hd),
+                p + "self_attn.q_norm.weight": (hd,),
+                p + "self_attn.k_norm.weight": (hd,),
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+            }
+            if self.is_moe:
+                shapes[p + "mlp.gate.weight"] = (self.num_experts, h)
+                m = self.moe_intermediate_size
+                for e in range(self.num_experts):
+                    q = f"{p}mlp.experts.{e}."
+                    shapes |= {
+                        q + "gate_proj.weight": (m, h),
+                        q + "up_proj.weight": (m, h),
+                        q + "down_proj.weight": (h, m),
+                    }
+            else:
+                f = self.intermediate_size
+                shapes |= {
+                    p + "mlp.gate_proj.weight": (f, h),
+                    p + "mlp.up_proj.weight": (f, h),
+                    p + "mlp.down_proj.weight": (h, f),
+                }
+        if not self.tie_word_embeddings:
+            shapes["lm_head.weight"] = (self.vocab_size, h)
+        return shapes
+
+
+def _rope_theta(cfg: dict, where: str) -> float:
+    # transformers 4.51 wrote a top-level rope_theta; transformers 5 writes rope_parameters.
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind != "default":
+        raise PipelineError(
+            f"{where}: rope_type {kind!r} is not supported (torchtitan's Qwen3 uses plain RoPE).",
+            "use a Qwen3 checkpoint without rope scaling.",
+        )
+    theta = params.get("rope_theta", cfg.get("rope_theta"))
+    if theta is None:
+        raise PipelineError(f"{where}: neither rope_parameters.rope_theta nor rope_theta is set.",
+                            "add the checkpoint's rope_theta to config.json.")
+    return float(theta)
+
+
+def arch_from_config(cfg: dict, where: str = "config.json") -> Qwen3Arch:
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise PipelineError(
+            f"{where}: model_type is {model_type!r}; this pipeline trains {', '.join(SUPPORTED_MODEL_TYPES)}.",
+            "point MODEL at a Qwen3 or Qwen3-MoE checkpoint.",
+        )
+    required = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"]
+    missing = [k for k in required if k not in cfg]
+    if missing:
+        raise PipelineError(f"{where}: missing keys {missing}.", "use the checkpoint's original config.json.")
+    heads = int(cfg["num_attention_heads"])
+    kv_heads = int(cfg["num_key_value_heads"])
+    if heads % kv_heads:
+        raise PipelineError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}.",
+                            "fix config.json.")
+    eps = float(cfg.get("rms_norm_eps", TITAN_RMS_NORM_EPS))
+    if eps != TITAN_RMS_NORM_EPS:
+        raise PipelineError(f"{where}: rms_norm_eps is {eps}; torchtitan's Qwen3 is built with {TITAN_RMS_NORM_EPS}.",
+                            "train a checkpoint with rms_norm_eps 1e-6 (all Qwen3 releases).")
+    if cfg.get("attention_bias"):
+        raise PipelineError(f"{where}: attention_bias is true; Qwen3 has no attention bias.", "fix config.json.")
+    if cfg.get("use_sliding_window"):
+        raise PipelineError(f"{where}: use_sliding_window is true; not supported.", "set it to false.")
+    fields = dict(
+        model_type=model_type,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=int(cfg["hidden_size"]),
+        intermediate_size=int(cfg.get("intermediate_size", 0)),
+        num_hidden_layers=int(cfg["num_hidden_layers"]),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+        rope_theta=_rope_theta(cfg, where),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 40960)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        rms_norm_eps=eps,
+    )
+    if model_type == "qwen3_moe":
+        # Hub configs (transformers 4.51) say num_experts; transformers 5 writes num_local_experts.
+        if "num_experts" not in cfg and "num_local_experts" in cfg:
+            cfg = {**cfg, "num_experts": cfg["num_local_experts"]}
+        for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            if key not in cfg:
+                raise PipelineError(f"{where}: MoE config lacks {key}.", "use the checkpoint's original config.json.")
+        if not cfg.get("norm_topk_prob", False):
+            raise PipelineError(f"{where}: norm_topk_prob is false; torchtitan's Qwen3-MoE router always normalises top-k.",
+                                "train a checkpoint with norm_topk_prob true (Qwen3-30B-A3B, 235B-A22B).")
+        if int(cfg.get("decoder_sparse_step", 1)) != 1 or cfg.get("mlp_only_layers"):
+            raise PipelineError(f"{where}: mixes dense and MoE layers (decoder_sparse_step/mlp_only_layers).",
+                                "use a checkpoint whose every layer is MoE, as all Qwen3-MoE releases are.")
+        fields |= dict(
+            num_experts=int(cfg["num_experts"]),
+            num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+            moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+        )
+    return Qwen3Arch(**fields)
+
+
+def load_arch(hf_dir: Path) -> Qwen3Arch:
+    path = Path(hf_dir) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except FileNotFoundError as err:
+        raise PipelineError(f"{path} does not exist.", "run `make download MODEL=…` first.") from err
+    except json.JSONDecodeError as err:
+        raise PipelineError(f"{path} is not valid JSON ({err}).", "re-download the checkpoint.") from err
+    return arch_from_config(cfg, str(path))

@@ -1,0 +1,61 @@
+"""Model overrides that only CPU needs, attached through torchtitan's override registry.
+
+- `dense_mask_attention`: FlexAttention has no CPU backward (torch 2.14), and it is the only
+  attention torchtitan offers language models. The replacement turns the same block-causal
+  BlockMask into a dense boolean mask and calls scaled_dot_product_attention: same math.
+- `loop_experts`: GroupedExperts always runs torch._grouped_mm in bfloat16; on CPU that is
+  slow and, worse, not float32, so fp32 losses could not match Hugging Face's. The
+  replacement runs each expert's SwiGLU in the input dtype (`pipeline.models.reference.experts_reference`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.nn.attention.flex_attention import create_mask
+from torchtitan.config import derive, override
+from torchtitan.models.common.attention import FlexAttention
+from torchtitan.models.common.moe import GroupedExperts
+
+from pipeline.models.reference import experts_reference
+
+
+class DenseMaskAttention(FlexAttention):
+    @dataclass(kw_only=True, slots=True)
+    class Config(FlexAttention.Config):
+        pass
+
+    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks, score_mod=None, scale=None,
+                enable_gqa=False, out_transform=None, **kwargs):
+        if score_mod is not None or out_transform is not None:
+            raise NotImplementedError("dense_mask_attention supports plain masked attention only")
+        batch, length = q_BLNH.shape[0], q_BLNH.shape[1]
+        mask = create_mask(attention_masks.mask_mod, batch, None, length, length, device=q_BLNH.device)
+        out = F.scaled_dot_product_attention(
+            q_BLNH.transpose(1, 2), k_BLNH.transpose(1, 2), v_BLNH.transpose(1, 2),
+            attn_mask=mask, scale=scale, enable_gqa=enable_gqa,
+        )
+        return out.transpose(1, 2)
+
+
+class LoopExperts(GroupedExperts):
+    @dataclass(kw_only=True, slots=True)
+    class Config(GroupedExperts.Config):
+        pass
+
+    def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        weights = [w.to_local() if isinstance(w, DTensor) else w for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD)]
+        return experts_reference(x_RD, num_tokens_per_expert_E, *weights)
+
+
+@override(target=FlexAttention.Config, description="dense-mask SDPA (FlexAttention has no CPU backward)", exact=True)
+def dense_mask_attention(cfg: FlexAttention.Config) -> DenseMaskAttention.Config:
+    return derive(cfg, DenseMaskAttention.Config)
+
+
+@override(target=GroupedExperts.Config, description="per-expert loop in the input dtype", exact=True)
+def loop_experts(cfg: GroupedExperts.Config) -> LoopExperts.Config:
+    return derive(cfg, LoopExperts.Config)

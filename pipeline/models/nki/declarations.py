@@ -1,0 +1,35 @@
+"""What the nki path may replace, declared once (no torch import: dry runs read it too).
+
+A config's `nki_overrides` names groups ("rope", "moe"); each group is one or more overrides,
+each with the module pattern it claims (torchtitan FQN globs, from the Trainer.Config root)
+and the NKI kernel it runs on `neuron`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MODULE = "pipeline.models.nki.overrides"
+
+
+@dataclass(frozen=True)
+class NkiOverride:
+    function: str  # @override factory in pipeline.models.nki.overrides
+    replaces: str  # torchtitan Config class, for messages
+    fqns: tuple[str, ...]
+    kernel: str  # key of constraints.KERNEL_RULES
+
+    @property
+    def target(self) -> str:
+        return f"{MODULE}.{self.function}"
+
+
+GROUPS: dict[str, list[NkiOverride]] = {
+    "rope": [NkiOverride("nki_rope", "CosSinRoPE", ("*.attention.rope",), "rope_hf")],
+    "moe": [
+        NkiOverride("nki_router", "TokenChoiceTopKRouter", ("*.moe.router",), "router_topk"),
+        NkiOverride("nki_experts", "GroupedExperts", ("*.moe.routed_experts.inner_experts",), "moe_cte"),
+    ],
+}
+
+BY_FUNCTION = {o.function: o for group in GROUPS.values() for o in group}

@@ -1,0 +1,89 @@
+"""The training paths, torchtitan-style: one registry entry per path; no other module knows the list.
+
+An entry says how the path's model spec is built (inside each rank), which torchtitan
+`override.imports` it takes on which target, and its optional launcher-side preparation (the nki
+path picks kernels and checks their constraints). Importable without torch: builders import what
+they need when called.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pipeline.errors import PipelineError
+from pipeline.run.settings import TrainSettings, closest
+from pipeline.run.spec import RunSpec
+
+# FlexAttention has no CPU backward and GroupedExperts is bf16-only: see models/cpu_overrides.py.
+CPU_ATTENTION = "pipeline.models.cpu_overrides.dense_mask_attention"
+CPU_EXPERTS = "pipeline.models.cpu_overrides.loop_experts"
+
+
+@dataclass(frozen=True)
+class TrainingPath:
+    name: str
+    summary: str
+    build: Callable[[RunSpec], object]  # RunSpec -> torchtitan ModelSpec
+    overrides: Callable[[str, TrainSettings], tuple[str, ...]] = lambda target, settings: ()  # -> override.imports
+    prepare: Callable[[RunSpec], None] | None = None  # launcher side, dry runs too
+    colour: str = "tab:gray"  # report: fixed per path so a path keeps its look from report to report
+    line: tuple[str, str] = ("-", "o")
+
+
+def _native(spec: RunSpec):
+    from pipeline.models import native
+
+    return native.model_spec(spec.arch, spec.model_key)
+
+
+def _hf(spec: RunSpec):
+    import json
+    from pathlib import Path
+
+    from pipeline.models import hf
+
+    return hf.model_spec(json.loads((Path(spec.source_dir) / "config.json").read_text()), spec.model_key)
+
+
+def _cpu_overrides(target: str, settings: TrainSettings) -> tuple[str, ...]:
+    return (CPU_ATTENTION, CPU_EXPERTS) if target == "cpu" else ()
+
+
+def _nki_cpu_overrides(target: str, settings: TrainSettings) -> tuple[str, ...]:
+    # nki_experts claims GroupedExperts itself, and its reference dispatch is loop_experts' per-expert loop.
+    replaced = {CPU_EXPERTS} if "moe" in settings.nki_overrides else set()
+    return tuple(o for o in _cpu_overrides(target, settings) if o not in replaced)
+
+
+def _prepare_nki(spec: RunSpec) -> None:
+    from pipeline.models.nki import prepare
+
+    prepare.prepare(spec)
+
+
+PATHS: dict[str, TrainingPath] = {
+    p.name: p
+    for p in (
+        TrainingPath("hf", "Transformers v5's own Qwen3 (AutoModelForCausalLM from config.json) trained by torchtitan",
+                     _hf, colour="tab:blue", line=("-", "o")),
+        TrainingPath("native", "torchtitan's own Qwen3 (dense and MoE)", _native, overrides=_cpu_overrides,
+                     colour="tab:orange", line=("--", "s")),
+        # Same model as native: the NKI modules come in through override.imports, so parameter
+        # names, checkpoints and the export stay native's.
+        TrainingPath("nki", "native Qwen3 with NKI kernels (RoPE, MoE) via torchtitan's override registry", _native,
+                     overrides=_nki_cpu_overrides, prepare=_prepare_nki,
+                     colour="tab:green", line=(":", "^")),
+    )
+}
+
+
+def names() -> tuple[str, ...]:
+    return tuple(PATHS)
+
+
+def get(name: str) -> TrainingPath:
+    if name not in PATHS:
+        raise PipelineError(f"training path {name!r} is unknown{closest(name, PATHS)}; known: {', '.join(PATHS)}.",
+                            "pick one of them.")
+    return PATHS[name]

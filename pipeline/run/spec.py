@@ -1,0 +1,63 @@
+"""The fully resolved description of one training run, written to `<run dir>/run.json`.
+
+`training.resolve` makes it from settings, flags and the checkpoint; every torchrun rank reads the
+same file; export, verify and report read it back. It holds the settings as they are
+(`TrainSettings`) and the architecture as it is (`Qwen3Arch`), never copies of their fields.
+No torch imports here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from pipeline.checkpoint.arch import Qwen3Arch
+from pipeline.fsutil import atomic_write_text
+from pipeline.run import settings as settings_mod
+from pipeline.run.settings import TrainSettings
+
+
+@dataclass
+class RunSpec:
+    model: str  # MODEL as given: embedded name, Hub id or directory
+    model_key: str  # its folder under checkpoints/
+    path: str  # training path (pipeline.models.registry)
+    target: str  # cpu | cuda | trn2
+    source_dir: str  # the HF checkpoint the run starts from
+    run_dir: str
+    arch: Qwen3Arch
+    settings: TrainSettings
+    dataset: str = "local"  # torchtitan dataset name, or "local" for data_file
+    data_file: str | None = None
+    peak_flops_per_rank: float | None = None
+    overrides: list = field(default_factory=list)  # torchtitan override.imports entries
+    titan_args: list = field(default_factory=list)  # torchtitan CLI flags applied over the built config
+    nki: dict = field(default_factory=dict)  # the nki path's plan (overrides, kernels, constraints)
+
+    @property
+    def world_size(self) -> int:
+        return self.settings.world_size
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["arch"] = self.arch.to_dict()
+        data["settings"] = settings_mod.to_dict(self.settings)
+        return data
+
+    def save(self) -> Path:
+        path = Path(self.run_dir) / "run.json"
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
+        return path
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "RunSpec":
+        data = dict(data)
+        data["arch"] = Qwen3Arch(**data["arch"])
+        data["settings"] = settings_mod.from_dict(data["settings"])
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    @classmethod
+    def load(cls, path: str | Path) -> "RunSpec":
+        return cls.from_dict(json.loads(Path(path).read_text()))

@@ -1,0 +1,139 @@
+"""Where a model's files live: checkpoints/<key>/{source.json, source/, data/, runs/<path>/, report/}.
+
+The key is the full source, so two sources never share a folder: an embedded name (`tiny`), a
+Hub id (`Qwen/Qwen3-0.6B` → `Qwen--Qwen3-0.6B`), or a local directory (`local--<name>-<8 hex of
+its absolute path>`). `source.json` records what was downloaded; later stages check it against
+MODEL and REVISION. Hub weights stay in the Hugging Face cache (HF_HOME), shared with other HF
+tools; embedded and local sources are written to `source/`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.errors import PipelineError
+from pipeline.fsutil import atomic_write_text
+from pipeline.run.rundir import RunDir
+
+REPO = Path(__file__).resolve().parent.parent.parent
+EMBEDDED_NAMES = ("tiny", "tiny-moe")
+SOURCE_RECORD = "source.json"
+
+
+def checkpoints_root() -> Path:
+    return Path(os.environ.get("PIPELINE_CHECKPOINTS", REPO / "checkpoints"))
+
+
+@dataclass(frozen=True)
+class Source:
+    """MODEL, classified: `embedded` (made here), `hub` (org/name) or `local` (a directory)."""
+
+    kind: str
+    model: str
+    key: str
+    repo_id: str | None = None
+    path: str | None = None
+
+    @property
+    def name(self) -> str:
+        """The last part of the id (for configs/hub_configs and models.toml look-ups)."""
+        return (self.repo_id or self.path or self.model).rstrip("/").rsplit("/", 1)[-1]
+
+
+def parse_model(model: str) -> Source:
+    if model in EMBEDDED_NAMES:
+        return Source("embedded", model, model)
+    if Path(model).expanduser().is_dir():
+        path = Path(model).expanduser().resolve()
+        digest = hashlib.sha256(str(path).encode()).hexdigest()[:8]
+        return Source("local", model, f"local--{path.name}-{digest}", path=str(path))
+    if model.startswith(("/", ".", "~")) or model.count("/") > 1:
+        raise PipelineError(f"MODEL={model!r} is not an existing directory (and not a Hub id org/name).",
+                            "check the path.")
+    org, _, name = model.partition("/")
+    if not org or not name or any(c in model for c in " \\:"):
+        raise PipelineError(f"MODEL={model!r} is not a Hub id (org/name), an existing directory, or "
+                            f"{'/'.join(EMBEDDED_NAMES)}.", "check the spelling or the path.")
+    return Source("hub", model, f"{org}--{name}", repo_id=model)
+
+
+@dataclass(frozen=True)
+class ModelHome:
+    source: Source
+    root: Path
+
+    @property
+    def dir(self) -> Path:
+        return self.root / self.source.key
+
+    @property
+    def source_record(self) -> Path:
+        return self.dir / SOURCE_RECORD
+
+    @property
+    def local_source(self) -> Path:
+        return self.dir / "source"
+
+    @property
+    def data_file(self) -> Path:
+        return self.dir / "data" / "train.jsonl"
+
+    @property
+    def runs(self) -> Path:
+        return self.dir / "runs"
+
+    @property
+    def report(self) -> Path:
+        return self.dir / "report"
+
+    @property
+    def launch(self) -> Path:
+        return self.dir / "launch"
+
+    def run(self, path: str) -> RunDir:
+        return RunDir(self.runs / path)
+
+    def record(self) -> dict | None:
+        if not self.source_record.exists():
+            return None
+        return json.loads(self.source_record.read_text())
+
+    def write_record(self, **fields) -> None:
+        atomic_write_text(self.source_record, json.dumps({"kind": self.source.kind, "model": self.source.model,
+                                                          **fields}, indent=2) + "\n")
+
+    def is_downloaded(self) -> bool:
+        return self.record() is not None
+
+    def source_dir(self, revision: str | None = None) -> Path:
+        """The downloaded checkpoint directory, checked against what MODEL (and REVISION) ask for."""
+        record = self.record()
+        hint = f"make download MODEL={self.source.model}" + (f" REVISION={revision}" if revision else "")
+        if record is None:
+            raise PipelineError(f"{self.source.model!r} has not been downloaded ({self.source_record} is missing).",
+                                f"run `{hint}` first.")
+        if record.get("kind") != self.source.kind or record.get("model") not in (self.source.model, None):
+            raise PipelineError(f"{self.source_record} records {record.get('kind')} {record.get('model')!r}, "
+                                f"not {self.source.kind} {self.source.model!r}.", f"run `{hint}` again.")
+        if revision and record.get("revision") != revision and record.get("commit") != revision:
+            raise PipelineError(f"{self.source.model} was downloaded at revision {record.get('revision')!r}, "
+                                f"REVISION={revision!r} was asked for.", f"run `{hint}` first.")
+        if self.source.kind != "hub":
+            return self.local_source
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        try:
+            return Path(snapshot_download(self.source.repo_id, revision=record["commit"], local_files_only=True))
+        except LocalEntryNotFoundError as err:
+            raise PipelineError(f"{self.source.repo_id}@{record['commit']} is no longer in the Hugging Face cache "
+                                f"(HF_HOME={os.environ.get('HF_HOME', '~/.cache/huggingface')}).",
+                                f"run `{hint}` again.") from err
+
+
+def home(model: str, root: Path | None = None) -> ModelHome:
+    return ModelHome(parse_model(model), Path(root) if root else checkpoints_root())

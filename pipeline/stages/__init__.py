@@ -1,0 +1,1 @@
+"""One module per Make target; each has add_arguments(parser) and run(args)."""

@@ -1,0 +1,108 @@
+"""Stage `download`: the checkpoint a model's runs start from, validated, recorded in source.json.
+
+MODEL is one of: an embedded default (`tiny`, `tiny-moe`: made here, offline, into
+checkpoints/<key>/source/), a local directory (validated, then copied there), or a Hub id
+(snapshot_download of the safetensors, JSON and tokenizer files at a pinned revision into the
+Hugging Face cache, where other HF tools share it; resumable; HF_TOKEN read from the environment
+and never printed). source.json is written last: a model is downloaded exactly when it exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tomllib
+from pathlib import Path
+
+from pipeline.checkpoint import embedded, hf_dir
+from pipeline.errors import PipelineError
+from pipeline.fsutil import atomic_directory
+from pipeline.run import store
+from pipeline.run.settings import CONFIG_DIR
+
+HUB_PATTERNS = ["*.safetensors", "*.json", "tokenizer*", "merges.txt", "vocab.json"]
+LOCAL_SUFFIXES = (".json", ".safetensors", ".txt", ".model", ".jinja")
+
+
+def known_models() -> dict:
+    return tomllib.loads((CONFIG_DIR / "models.toml").read_text())
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="Hub id, local HF directory, or tiny / tiny-moe")
+    parser.add_argument("--revision", help="Hub revision (default: the pin in configs/models.toml)")
+    parser.add_argument("--force", action="store_true", help="replace an existing download")
+
+
+def run(args: argparse.Namespace) -> Path:
+    home = store.home(args.model)
+    revision = _revision(home.source, args.revision)
+    record = home.record()
+    if record is not None and not args.force and (revision is None or revision in (record.get("revision"),
+                                                                                   record.get("commit"))):
+        directory = home.source_dir()
+        hf_dir.validate(directory)
+        print(f"{args.model} is already downloaded and valid ({directory}); nothing to do (FORCE=1 to replace).")
+        return directory
+    # Fail on an unwritable checkpoints root now, not after minutes of work.
+    home.dir.mkdir(parents=True, exist_ok=True)
+    if home.source_record.exists():
+        home.source_record.unlink()  # not downloaded until the new one is complete
+    kind = home.source.kind
+    if kind == "embedded":
+        with atomic_directory(home.local_source, replace=True) as tmp:
+            provenance = embedded.bootstrap(args.model, tmp)
+        print(f"made embedded {args.model}: pretraining loss {provenance['first_loss']:.3f} → {provenance['final_loss']:.3f}")
+        home.write_record(corpus_sha256=provenance["corpus_sha256"])
+    elif kind == "local":
+        source = Path(home.source.path)
+        hf_dir.validate(source)
+        with atomic_directory(home.local_source, replace=True) as tmp:
+            for item in source.iterdir():
+                if item.is_file() and (item.suffix in LOCAL_SUFFIXES or "tokenizer" in item.name):
+                    shutil.copy2(item, tmp / item.name)
+        home.write_record(path=home.source.path)
+        print(f"imported {source} → {home.local_source}")
+    else:
+        commit = _download_hub(home.source.repo_id, revision or "main")
+        home.write_record(repo_id=home.source.repo_id, revision=revision or "main", commit=commit)
+    directory = home.source_dir()
+    report = hf_dir.validate(directory)
+    print(f"checkpoint ready: {directory} ({len(report.tensors)} tensors, "
+          f"{'MoE ' if report.arch.is_moe else ''}{report.arch.num_hidden_layers} layers)")
+    return directory
+
+
+def _revision(source: store.Source, asked: str | None) -> str | None:
+    if source.kind != "hub":
+        if asked:
+            raise PipelineError(f"REVISION={asked!r} applies to Hub models; {source.model!r} is {source.kind}.",
+                                "drop REVISION.")
+        return None
+    return asked or known_models().get(source.repo_id, {}).get("revision")
+
+
+def _download_hub(repo_id: str, revision: str) -> str:
+    """snapshot_download into the HF cache; returns the commit the revision resolved to."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
+
+    if revision == "main":
+        print(f"warning: {repo_id} is not pinned to a commit (revision 'main'); pin it in configs/models.toml "
+              "or pass REVISION=<commit>.")
+    print(f"downloading {repo_id}@{revision} into the Hugging Face cache "
+          f"({'with' if os.environ.get('HF_TOKEN') else 'without'} HF_TOKEN) …", flush=True)
+    try:
+        folder = snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS)
+    except LocalEntryNotFoundError as err:
+        raise PipelineError(f"{repo_id}@{revision} is not in the Hugging Face cache and the Hub cannot be reached "
+                            "(HF_HUB_OFFLINE, or no network).",
+                            "run once with network access, or give MODEL as a local directory.") from err
+    except HFValidationError as err:
+        raise PipelineError(f"MODEL={repo_id!r} is not a valid Hub id.", "give it as org/name, e.g. Qwen/Qwen3-0.6B.") from err
+    except HfHubHTTPError as err:
+        raise PipelineError(f"the Hub refused {repo_id}@{revision}: {err.__class__.__name__}.",
+                            "check the repo id and revision, and HF_TOKEN for gated repos.") from err
+    hf_dir.validate(Path(folder))
+    return Path(folder).name  # snapshots/<commit>

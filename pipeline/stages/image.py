@@ -1,0 +1,250 @@
+"""Stage `image`: build the container image, and run any stage inside it — both through the Docker SDK.
+
+`python -m pipeline image` builds: a wheelhouse made inside the base image (so wheels match
+its Python), then the Dockerfile with build progress streamed. The tag comes from the lock's
+hash, so a changed lock is a new image. `python -m pipeline image --run <stage> <args…>` runs
+`python -m pipeline <stage> <args…>` in that image with every /dev/neuron* device, checkpoints/,
+the HF cache and the Neuron compile cache bind-mounted, HF_TOKEN passed through, logs streamed
+and the exit status returned; the container is removed on success, failure or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.errors import PipelineError
+from pipeline.run import store
+from pipeline.run.image import default_tag, lock_sha256
+
+DEFAULT_BASE_IMAGE = "public.ecr.aws/neuron/pytorch-training-neuronx:2.14.0-neuronx-py314-sdk2.33.0-ubuntu26.04"
+IMAGE_CHECKPOINTS = "/checkpoints"
+IMAGE_HF_CACHE = "/hf-cache"
+IMAGE_COMPILE_CACHE = "/var/tmp/neuron-compile-cache"  # what targets.TARGETS["trn2"] points the compiler at
+IMAGE_UID = 1000
+
+
+@dataclass(frozen=True)
+class BuildSpec:
+    base_image: str
+    lock: Path
+    tag: str
+    wheelhouse: Path
+    python: str = "python3"
+    # Host directories the wheelhouse container sees at the same path (a local pip index, say).
+    pip_mounts: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ContainerRun:
+    image: str
+    argv: list[str]
+    checkpoints: Path
+    hf_cache: Path
+    compile_cache: Path
+    devices: list[str] = field(default_factory=list)
+    network_host: bool = True
+    shm_size: str = "8g"
+
+
+def client():
+    """A pinged Docker client, or a one-line error naming DOCKER_HOST."""
+    import docker
+
+    try:
+        engine = docker.from_env(timeout=600)
+        engine.ping()
+        return engine
+    except Exception as err:  # noqa: BLE001 - any failure to reach the engine is the same user problem
+        where = os.environ.get("DOCKER_HOST", "the default socket /var/run/docker.sock")
+        raise PipelineError(f"no Docker engine answers at {where} ({type(err).__name__}).",
+                            "start dockerd (e.g. `.ci/dockerd.sh start`) and export DOCKER_HOST.") from err
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-image", default=os.environ.get("BASE_IMAGE") or DEFAULT_BASE_IMAGE)
+    parser.add_argument("--lock", type=Path, default=store.REPO / "requirements.lock")
+    parser.add_argument("--tag", help="image tag (default: qwen3-pipeline:lock-<lock sha256[:12]>)")
+    parser.add_argument("--python", default="python3", help="the base image's Python")
+    parser.add_argument("--wheelhouse", type=Path, help="an existing wheelhouse with requirements.hashed.txt "
+                        "(default: build/wheelhouse/<lock hash>, made inside the base image when missing)")
+    parser.add_argument("--pip-mount", action="append", default=[],
+                        help="host directory mounted at the same path while the wheelhouse is made (local indexes)")
+    parser.add_argument("--image", default=os.environ.get("PIPELINE_IMAGE"), help="--run: the image (default: --tag)")
+    parser.add_argument("--run", nargs=argparse.REMAINDER, metavar="STAGE ARGS",
+                        help="run `python -m pipeline STAGE ARGS` in the image instead of building")
+
+
+def build_spec(args: argparse.Namespace) -> BuildSpec:
+    digest = lock_sha256(args.lock)
+    return BuildSpec(base_image=args.base_image, lock=Path(args.lock), tag=args.tag or default_tag(args.lock),
+                     wheelhouse=Path(args.wheelhouse or store.REPO / "build" / "wheelhouse" / digest[:12]),
+                     python=args.python, pip_mounts=tuple(args.pip_mount))
+
+
+def make_wheelhouse(spec: BuildSpec, engine) -> Path:
+    """Wheels for the lock, made by pip inside the base image; the hashed list the Dockerfile installs."""
+    hashed = spec.wheelhouse / "requirements.hashed.txt"
+    if hashed.exists():
+        return spec.wheelhouse
+    spec.wheelhouse.mkdir(parents=True, exist_ok=True)
+    pip_env = {k: v for k, v in os.environ.items() if k.startswith("PIP_")}
+    volumes = {str(spec.wheelhouse.resolve()): {"bind": "/wheels", "mode": "rw"},
+               str(spec.lock.resolve()): {"bind": "/lock/requirements.lock", "mode": "ro"},
+               str(store.REPO / "docker"): {"bind": "/pipeline-docker", "mode": "ro"}}
+    volumes.update({m: {"bind": m, "mode": "ro"} for m in spec.pip_mounts})
+    print(f"making the wheelhouse {spec.wheelhouse} inside {spec.base_image}", flush=True)
+    code = stream_container(engine, spec.base_image, ["/bin/sh", "/pipeline-docker/make-wheelhouse.sh", spec.python,
+                                                      "/lock/requirements.lock"],
+                            volumes=volumes, environment=pip_env, user="0", network_mode="host")
+    if code != 0 or not hashed.exists():
+        raise PipelineError(f"making the wheelhouse in {spec.base_image} failed (status {code}).",
+                            "read pip's error above; the base image needs a Python with venv and network or "
+                            "--pip-mount'ed indexes.")
+    return spec.wheelhouse
+
+
+def build_context(spec: BuildSpec, out: Path) -> Path:
+    """The repo filtered by .dockerignore, plus the wheelhouse as wheels/ (it may live anywhere)."""
+    from docker.utils.build import exclude_paths
+
+    patterns = [p for p in (store.REPO / ".dockerignore").read_text().splitlines() if p.strip() and p[0] != "#"]
+    included = sorted(exclude_paths(str(store.REPO), patterns, dockerfile="Dockerfile"))
+    with tarfile.open(out, "w") as tar:
+        for rel in included:
+            full = store.REPO / rel
+            if full.is_file() and not rel.startswith("wheels/"):
+                tar.add(full, arcname=rel, recursive=False)
+        for wheel in sorted(spec.wheelhouse.iterdir()):
+            if wheel.suffix == ".whl" or wheel.name == "requirements.hashed.txt":
+                tar.add(wheel, arcname=f"wheels/{wheel.name}")
+    return out
+
+
+def build(spec: BuildSpec, engine=None) -> dict:
+    engine = engine or client()
+    started = time.monotonic()
+    make_wheelhouse(spec, engine)
+    with tempfile.TemporaryDirectory(prefix="pipeline-context-") as tmp:
+        context = build_context(spec, Path(tmp) / "context.tar")
+        buildargs = {"BASE_IMAGE": spec.base_image, "PYTHON": spec.python, "LOCK_SHA256": lock_sha256(spec.lock),
+                     "PIPELINE_REVISION": _git_revision()}
+        print(f"building {spec.tag} from {spec.base_image} ({context.stat().st_size / 2**20:.0f} MiB context)",
+              flush=True)
+        with open(context, "rb") as fileobj:
+            stream = engine.api.build(fileobj=fileobj, custom_context=True, tag=spec.tag, buildargs=buildargs,
+                                      rm=True, forcerm=True, decode=True)
+            for chunk in stream:
+                if "stream" in chunk:
+                    sys.stdout.write(chunk["stream"])
+                    sys.stdout.flush()
+                elif "error" in chunk:
+                    raise PipelineError(f"image build failed: {chunk['error'].strip()}",
+                                        "read the build output above.")
+    image = engine.images.get(spec.tag)
+    seconds = time.monotonic() - started
+    print(f"built {spec.tag} ({image.short_id}, {image.attrs['Size'] / 2**20:.0f} MiB) in {seconds:.0f} s")
+    return {"tag": spec.tag, "id": image.id, "size_bytes": image.attrs["Size"], "seconds": seconds}
+
+
+def _git_revision() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=store.REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def container_run(image: str, argv: list[str]) -> ContainerRun:
+    hf_cache = Path(os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface")
+    compile_cache = Path(os.environ.get("PIPELINE_COMPILE_CACHE") or Path.home() / ".cache" / "neuron-compile-cache")
+    return ContainerRun(image=image, argv=list(argv), checkpoints=store.checkpoints_root().resolve(),
+                      hf_cache=hf_cache, compile_cache=compile_cache, devices=host_devices())
+
+
+def host_devices() -> list[str]:
+    """Every Neuron device, plus the EFA verbs devices multi-node collectives need."""
+    return sorted(glob.glob("/dev/neuron[0-9]*")) + sorted(glob.glob("/dev/infiniband/uverbs*"))
+
+
+def _writable_for_image_user(directory: Path) -> None:
+    """Root on the host runs the image's non-root user, so the mounts must be writable by it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() == 0:
+        for root, dirs, files in os.walk(directory):
+            for name in [root, *(os.path.join(root, d) for d in dirs), *(os.path.join(root, f) for f in files)]:
+                os.lchown(name, IMAGE_UID, IMAGE_UID)
+
+
+def run_in_image(request: ContainerRun, engine=None) -> int:
+    engine = engine or client()
+    if not request.argv:
+        raise PipelineError("--run needs a stage, e.g. `--run train --model tiny --path native`.",
+                            "give the stage and its arguments after --run.")
+    for directory in (request.checkpoints, request.hf_cache, request.compile_cache):
+        _writable_for_image_user(directory)
+    volumes = {str(request.checkpoints): {"bind": IMAGE_CHECKPOINTS, "mode": "rw"},
+               str(request.hf_cache): {"bind": IMAGE_HF_CACHE, "mode": "rw"},
+               str(request.compile_cache): {"bind": IMAGE_COMPILE_CACHE, "mode": "rw"}}
+    # Only the name is ever printed; the value goes to the engine and nowhere else.
+    environment = {k: os.environ[k] for k in ("HF_TOKEN", "TARGET") if os.environ.get(k)}
+    # The caller's own uid, so outputs on the mounts belong to them; root gets the image's user.
+    user = None if os.geteuid() == 0 else f"{os.geteuid()}:{os.getegid()}"
+    extra = {"cap_add": ["IPC_LOCK"], "ulimits": [_memlock_unlimited()]} if request.devices else {}
+    print(f"running in {request.image}: python -m pipeline {' '.join(request.argv)} "
+          f"({len(request.devices)} devices; env {sorted(environment) or 'none'})", flush=True)
+    return stream_container(engine, request.image, request.argv, volumes=volumes, environment=environment,
+                            user=user, devices=[f"{d}:{d}:rwm" for d in request.devices],
+                            network_mode="host" if request.network_host else None, shm_size=request.shm_size,
+                            **extra)
+
+
+def _memlock_unlimited():
+    from docker.types import Ulimit
+
+    return Ulimit(name="memlock", soft=-1, hard=-1)
+
+
+def stream_container(engine, image: str, command: list[str], **kwargs) -> int:
+    """Run to completion with output streamed; the container never outlives this call."""
+    import docker
+
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    try:
+        container = engine.containers.create(image, command, detach=True, **kwargs)
+    except docker.errors.ImageNotFound as err:
+        raise PipelineError(f"image {image} is not in the engine.", "build it with `make image` first.") from err
+    try:
+        container.start()
+        for chunk in container.logs(stream=True, follow=True):
+            sys.stdout.buffer.write(chunk)
+            sys.stdout.flush()
+        return int(container.wait()["StatusCode"])
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: stopping container {container.short_id}", file=sys.stderr, flush=True)
+        container.stop(timeout=10)
+        raise
+    finally:
+        container.remove(force=True)
+
+
+def run(args: argparse.Namespace):
+    if args.run is not None:
+        image = args.image or args.tag or default_tag(args.lock)
+        code = run_in_image(container_run(image, args.run))
+        if code != 0:
+            # The stage inside already printed its own error; keep its exact status.
+            raise SystemExit(code)
+        return code
+    if shutil.which("git") is None:
+        print("note: git not found; the image's revision label will read 'unknown'", file=sys.stderr)
+    return build(build_spec(args))

@@ -1,0 +1,346 @@
+"""Stage `verify`: prove an export is the model that was trained, and that it reloads.
+
+Checks, in order (each becomes an entry of verify.json):
+  files      the directory is a sound safetensors checkpoint (no pickle, index ↔ shards,
+             no truncation, config.json agrees with every tensor's shape)
+  manifest   every file's sha256 equals export's manifest.json
+  load       transformers' AutoModelForCausalLM.from_pretrained (never remote code):
+             zero missing, unexpected, mismatched keys and no load error
+  keys / shapes / dtypes   the on-disk tensors against the reference (source) checkpoint
+  finite     no NaN/Inf anywhere
+  round-trip an export of step 0 is bitwise equal to the source (cast to the export dtype);
+  changed    an export after training steps differs from the source
+  step1-loss-source   plain transformers' loss of the source on the recorded first batch
+             equals the logged step-1 loss, and the model's expectation where configs/models.toml
+             has one (for the embedded defaults the expectation is that plain-transformers value)
+  step1-loss-export   for a step-0 export, the export's loss on that batch equals the logged
+             step-1 loss (or the source's, when no step 1 was logged)
+
+The batch: the run's first_batch; a STEPS=0 run records none, so the first batch of another
+run of the same model and source is used (with that run's logged step-1 loss); failing that,
+the first held-out corpus document tokenized by the reference tokenizer (then export and
+source losses are compared with each other, and nothing is compared with a log).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import tomllib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from pipeline.checkpoint import hf_dir, manifest
+from pipeline.errors import PipelineError
+from pipeline.fsutil import atomic_write_text
+from pipeline.models import registry
+from pipeline.run import rundir, store
+from pipeline.run.rundir import RunDir
+
+# |export − reference| allowed for the step-1 loss, by export dtype: fp32 is the same
+# arithmetic (measured 5e-7 on tiny), bf16 rounds every weight (measured 4e-5 on tiny; looser for depth).
+EXPORT_LOSS_TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
+# |logged − plain transformers| for the source, by training precision.
+LOGGED_LOSS_TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
+FALLBACK_TOKENS = 128
+
+
+@dataclass
+class Check:
+    name: str
+    passed: bool
+    detail: str
+
+
+@dataclass
+class Batch:
+    tensors: list[dict]
+    origin: str
+    logged: float | None
+
+
+@dataclass
+class Verification:
+    checkpoint: Path
+    reference: Path
+    run_dir: Path | None
+    output: Path
+    checks: list[Check] = field(default_factory=list)
+    missing_keys: list[str] = field(default_factory=list)
+    unexpected_keys: list[str] = field(default_factory=list)
+    mismatched_keys: list[str] = field(default_factory=list)
+    step1_loss: dict = field(default_factory=lambda: {"export": None, "logged": None, "reference": None})
+
+    def add(self, name: str, passed: bool, detail: str) -> bool:
+        self.checks.append(Check(name, bool(passed), detail))
+        return bool(passed)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.checks) and all(c.passed for c in self.checks)
+
+    def to_dict(self) -> dict:
+        return {
+            "passed": self.passed,
+            "checkpoint": str(self.checkpoint),
+            "reference": str(self.reference),
+            "checks": [asdict(c) for c in self.checks],
+            "missing_keys": self.missing_keys,
+            "unexpected_keys": self.unexpected_keys,
+            "mismatched_keys": self.mismatched_keys,
+            "step1_loss": self.step1_loss,
+        }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="MODEL (with --path): verify that run's export")
+    parser.add_argument("--path", choices=registry.names(), help="training path of the run")
+    parser.add_argument("--checkpoint", type=Path, help="an HF checkpoint directory to verify (with --reference)")
+    parser.add_argument("--reference", type=Path, help="the checkpoint it must match (the downloaded source)")
+    parser.add_argument("--output", type=Path, help="where verify.json goes (default: the run dir / beside the checkpoint)")
+
+
+def run(args: argparse.Namespace) -> Verification:
+    if args.model and args.path:
+        run_dir = store.home(args.model).run(args.path)
+        reference = Path(run_dir.spec().source_dir)
+        checkpoint = run_dir.export
+        if not checkpoint.is_dir():
+            raise PipelineError(f"{checkpoint} does not exist.",
+                                f"run `make export MODEL={args.model} TRAIN_PATH={args.path}` first.")
+    elif args.checkpoint and args.reference:
+        checkpoint, reference = args.checkpoint, args.reference
+        parent = RunDir(Path(checkpoint).parent)
+        run_dir = parent if parent.exists() else None
+    else:
+        raise PipelineError("verify needs --model and --path, or --checkpoint and --reference.",
+                            "e.g. `make verify-checkpoint MODEL=tiny TRAIN_PATH=native`.")
+    if not Path(reference).is_dir():
+        raise PipelineError(f"reference {reference} is not a directory.", "give the downloaded source checkpoint.")
+    output = args.output or (run_dir.verify if run_dir else Path(checkpoint).parent / rundir.VERIFY)
+    result = verify(Path(checkpoint), Path(reference), run_dir, output)
+    failed = [c for c in result.checks if not c.passed]
+    if failed:
+        raise PipelineError(f"verify failed ({len(failed)} of {len(result.checks)} checks), first: {failed[0].name}: "
+                            f"{failed[0].detail}", f"see {output}.")
+    return result
+
+
+def verify(checkpoint: Path, reference: Path, run_dir: RunDir | None, output: Path) -> Verification:
+    import transformers
+
+    # One progress bar per from_pretrained would bury the table and the one-line error.
+    transformers.utils.logging.disable_progress_bar()
+    result = Verification(checkpoint, reference, run_dir, output)
+    try:
+        _run_checks(result)
+    finally:
+        atomic_write_text(output, json.dumps(result.to_dict(), indent=2) + "\n")
+        print_table(result)
+    return result
+
+
+def _run_checks(result: Verification) -> None:
+    try:
+        report = hf_dir.validate(result.checkpoint)
+        ref_report = hf_dir.validate(result.reference)
+    except PipelineError as err:
+        result.add("files", False, err.problem)
+        return  # unsafe or inconsistent on disk: nothing is loaded from it
+    result.add("files", True, f"{len(report.tensors)} tensors in {len({t.shard for t in report.tensors.values()})} shards")
+    listed = None
+    if (result.checkpoint / manifest.MANIFEST).exists() or result.run_dir is not None:
+        try:
+            listed = manifest.check(result.checkpoint)
+            result.add("manifest", True, f"{len(listed['files'])} files match their sha256")
+        except PipelineError as err:
+            result.add("manifest", False, err.problem)
+    _check_load(result)
+    _check_keys(result, report, ref_report)
+    step = listed.get("step") if listed else None
+    _check_tensors(result, report, step)
+    _check_losses(result, step, report.tensors)
+
+
+def _check_load(result: Verification) -> None:
+    import torch
+    import transformers
+
+    try:
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(
+            str(result.checkpoint), dtype=torch.float32, trust_remote_code=False, output_loading_info=True)
+    except Exception as err:  # transformers 5 reports a missing MoE expert as a shape error
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        result.add("load", False, f"from_pretrained raised {type(err).__name__}: {first[:300]}")
+        return
+    del model
+    result.missing_keys = sorted(info.get("missing_keys") or [])
+    result.unexpected_keys = sorted(info.get("unexpected_keys") or [])
+    result.mismatched_keys = sorted(str(m[0] if isinstance(m, (tuple, list)) else m) for m in info.get("mismatched_keys") or [])
+    errors = [str(e) for e in info.get("error_msgs") or []]
+    ok = not (result.missing_keys or result.unexpected_keys or result.mismatched_keys or errors)
+    result.add("load", ok, f"missing {len(result.missing_keys)}, unexpected {len(result.unexpected_keys)}, "
+                           f"mismatched {len(result.mismatched_keys)}, errors {len(errors)}"
+                           + (f": {(result.missing_keys + result.unexpected_keys + result.mismatched_keys + errors)[:3]}" if not ok else ""))
+
+
+def _check_keys(result: Verification, report, ref_report) -> None:
+    ours, theirs = report.tensors, ref_report.tensors
+    tied = report.arch.tie_word_embeddings
+    rule = ("tied embeddings: lm_head.weight is on disk exactly when the reference has it"
+            if tied else "untied: lm_head.weight required on both")
+    absent, extra = sorted(set(theirs) - set(ours)), sorted(set(ours) - set(theirs))
+    lm_head = f"lm_head.weight {'present' if 'lm_head.weight' in ours else 'absent'} (reference: " \
+              f"{'present' if 'lm_head.weight' in theirs else 'absent'})"
+    result.add("keys", not absent and not extra and tied == ref_report.arch.tie_word_embeddings,
+               f"{len(ours)} keys vs {len(theirs)}; absent {absent[:3]}, extra {extra[:3]}; {lm_head}; {rule}")
+    common = sorted(set(ours) & set(theirs))
+    shapes = [k for k in common if ours[k].shape != theirs[k].shape]
+    result.add("shapes", not shapes, f"{len(common) - len(shapes)}/{len(common)} identical"
+                                     + (f"; differ: {shapes[:3]}" if shapes else ""))
+    declared = _declared_dtype(result.checkpoint)
+    ours_dtypes = {t.dtype for t in ours.values()}
+    theirs_dtypes = {t.dtype for t in theirs.values()}
+    result.add("dtypes", ours_dtypes == {declared} and len(theirs_dtypes) == 1,
+               f"export {sorted(ours_dtypes)} (config.json dtype {declared}), reference {sorted(theirs_dtypes)}; "
+               "every tensor must have the declared export dtype, the reference one uniform dtype")
+
+
+def _declared_dtype(directory: Path) -> str:
+    cfg = json.loads((Path(directory) / "config.json").read_text())
+    name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    return {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}.get(name, name)
+
+
+def _open_all(directory: Path):
+    from safetensors.torch import safe_open
+
+    handles = {}
+    for shard in hf_dir.shard_files(directory):
+        handle = safe_open(str(shard), framework="pt")
+        for key in handle.keys():
+            handles[key] = handle
+    return handles
+
+
+def _check_tensors(result: Verification, report, step: int | None) -> None:
+    import torch
+
+    ours, theirs = _open_all(result.checkpoint), _open_all(result.reference)
+    nonfinite, changed, unequal, total = [], [], [], 0
+    for key in sorted(set(ours) & set(theirs)):
+        a = ours[key].get_tensor(key)
+        if a.is_floating_point() and not bool(torch.isfinite(a).all()):
+            nonfinite.append(key)
+        b = theirs[key].get_tensor(key).to(a.dtype)
+        if a.shape != b.shape:
+            continue
+        total += 1
+        same_bits = torch.equal(a.contiguous().flatten().view(torch.uint8), b.contiguous().flatten().view(torch.uint8))
+        (unequal if not same_bits else []).append(key)
+        if not same_bits:
+            changed.append(key)
+    result.add("finite", not nonfinite, "every tensor finite" if not nonfinite else f"NaN/Inf in {nonfinite[:5]}")
+    if step == 0:
+        result.add("round-trip", not unequal and total > 0,
+                   f"step-0 export: {total - len(unequal)}/{total} tensors bitwise equal to the source (cast to the export dtype)"
+                   + (f"; differ: {unequal[:3]}" if unequal else ""))
+    elif step is not None:
+        result.add("changed", bool(changed), f"step-{step} export: {len(changed)}/{total} tensors differ from the source")
+
+
+def find_batch(run_dir: RunDir | None, reference: Path) -> Batch:
+    """This run's first batch; else a sibling run's (same source); else a corpus document."""
+    candidates = []
+    if run_dir is not None:
+        candidates.append(run_dir)
+        candidates += sorted((RunDir(p) for p in run_dir.path.parent.iterdir() if p.is_dir() and p != run_dir.path),
+                             key=lambda r: r.name)
+    for candidate in candidates:
+        if not candidate.first_batch.is_dir() or not candidate.exists():
+            continue
+        if Path(candidate.spec().source_dir).resolve() != Path(reference).resolve():
+            continue
+        origin = "this run's first batch" if candidate == run_dir else f"first batch of sibling run {candidate.name}"
+        return Batch(candidate.first_batches(), origin, candidate.step1_loss())
+    return Batch([_corpus_batch(reference)], "first held-out corpus document (no recorded first batch)", None)
+
+
+def _corpus_batch(reference: Path) -> dict:
+    import torch
+    import transformers
+
+    from pipeline.checkpoint import corpus
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(reference), trust_remote_code=False)
+    ids = tokenizer(corpus.held_out_documents()[0])["input_ids"][: FALLBACK_TOKENS + 1]
+    ids = torch.tensor(ids).unsqueeze(0)
+    return {"input": ids[:, :-1], "labels": ids[:, 1:], "positions": torch.arange(ids.shape[1] - 1).unsqueeze(0)}
+
+
+def model_id(run_dir: RunDir | None, reference: Path) -> str | None:
+    """The Hub id behind a verification: the run's MODEL, or an HF-cache snapshot path's repo."""
+    if run_dir is not None:
+        return run_dir.spec().model
+    for part in Path(reference).resolve().parts:
+        if part.startswith("models--"):
+            return part.removeprefix("models--").replace("--", "/", 1)
+    return None
+
+
+def expected_step1(model: str | None) -> tuple[str, float, float] | None:
+    """(model id, expected loss, tolerance) from configs/models.toml."""
+    from pipeline.run.settings import CONFIG_DIR
+
+    entry = tomllib.loads((CONFIG_DIR / "models.toml").read_text()).get(model or "", {})
+    if "expected_step1_loss" not in entry:
+        return None
+    return model, float(entry["expected_step1_loss"]), float(entry.get("step1_loss_tolerance", 0.1))
+
+
+def _check_losses(result: Verification, step: int | None, tensors) -> None:
+    from pipeline.checkpoint.reference_loss import load_model, step1_loss
+
+    batch = find_batch(result.run_dir, result.reference)
+    reference_loss = step1_loss(load_model(result.reference), batch.tensors)
+    export_loss = step1_loss(load_model(result.checkpoint), batch.tensors)
+    result.step1_loss = {"export": export_loss, "logged": batch.logged, "reference": reference_loss}
+    spec_dtype = _training_dtype(result.run_dir)
+    if batch.logged is not None:
+        tol = LOGGED_LOSS_TOLERANCE.get(spec_dtype, LOGGED_LOSS_TOLERANCE["bfloat16"])
+        diff = abs(reference_loss - batch.logged)
+        result.add("step1-loss-source", diff <= tol,
+                   f"source (plain transformers) {reference_loss:.6f} vs logged step-1 {batch.logged:.6f} on {batch.origin}: "
+                   f"|diff| {diff:.2e} ≤ {tol:g}")
+    expectation = expected_step1(model_id(result.run_dir, result.reference))
+    if expectation is not None:
+        model, expected, tol = expectation
+        measured = batch.logged if batch.logged is not None else reference_loss
+        result.add("step1-loss-expected", abs(measured - expected) <= tol,
+                   f"{model}: step-1 loss {measured:.4f} vs expected {expected} ± {tol} (configs/models.toml)")
+    export_dtype = next(iter({t.dtype for t in tensors.values()}))
+    tol = EXPORT_LOSS_TOLERANCE["float32" if export_dtype == "F32" else "bfloat16"]
+    if step == 0 or step is None:
+        target, what = (batch.logged, "logged step-1") if batch.logged is not None else (reference_loss, "source")
+        diff = abs(export_loss - target)
+        result.add("step1-loss-export", diff <= tol,
+                   f"export {export_loss:.6f} vs {what} {target:.6f} on {batch.origin} ({export_dtype}): |diff| {diff:.2e} ≤ {tol:g}"
+                   + ("" if step == 0 else "; export step unknown (no manifest), so it must equal the source"))
+    else:
+        result.add("step1-loss-export", math.isfinite(export_loss),
+                   f"step-{step} export {export_loss:.6f} on {batch.origin} (source {reference_loss:.6f}): finite")
+
+
+def _training_dtype(run_dir: RunDir | None) -> str:
+    return run_dir.spec().settings.dtype if run_dir is not None and run_dir.exists() else "float32"
+
+
+def print_table(result: Verification) -> None:
+    width = max((len(c.name) for c in result.checks), default=5)
+    print(f"verify {result.checkpoint} against {result.reference}")
+    for check in result.checks:
+        print(f"  {check.name:<{width}}  {'pass' if check.passed else 'FAIL'}  {check.detail}")
+    losses = result.step1_loss
+    print("  step-1 loss: " + ", ".join(f"{k} {v:.6f}" if v is not None else f"{k} –" for k, v in losses.items()))
+    print(f"{'PASSED' if result.passed else 'FAILED'} → {result.output}")

@@ -1,0 +1,98 @@
+"""Resolve one training run: settings, flags and the checkpoint → a validated RunSpec.
+
+Used by the `train` stage (and its dry run) and by `launch` (multi-node files): the same
+resolution and the same checks, whatever launches the ranks.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.checkpoint import hf_dir
+from pipeline.checkpoint.arch import Qwen3Arch, arch_from_config
+from pipeline.errors import PipelineError
+from pipeline.models import registry
+from pipeline.run import settings as settings_mod
+from pipeline.run import store, targets
+from pipeline.run.spec import RunSpec
+
+HUB_CONFIGS = settings_mod.CONFIG_DIR / "hub_configs"
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """What a user asks for; None means "not given" (configs decide)."""
+
+    model: str
+    path: str
+    target: str | None = None
+    config: Path | None = None  # a user's config file, layered over configs/<target>.toml
+    steps: int | None = None
+    seq_len: int | None = None
+    nproc_per_node: int | None = None
+    nnodes: int | None = None
+    revision: str | None = None
+    titan_args: tuple[str, ...] = ()
+    dry_run: bool = False
+    checkpoints_root: Path | None = None  # where the nodes see checkpoints/ (launch); default this host's
+
+
+def resolve(request: RunRequest) -> RunSpec:
+    path = registry.get(request.path)
+    target = targets.resolve(request.target)
+    cfg = settings_mod.load(target.name, path.name, registry.names(), request.config)
+    cfg = settings_mod.with_flags(cfg, steps=request.steps, seq_len=request.seq_len,
+                                  nproc_per_node=request.nproc_per_node, nnodes=request.nnodes)
+    home = store.home(request.model, request.checkpoints_root)
+    if request.dry_run and not home.is_downloaded():
+        arch, source_dir = arch_without_download(home.source), home.local_source
+    else:
+        source_dir = home.source_dir(request.revision)
+        arch = hf_dir.validate(source_dir).arch
+    if cfg.dataset == "local" and not request.dry_run and not home.data_file.exists():
+        raise PipelineError(f"{home.data_file} does not exist.", f"run `make data MODEL={request.model}` first.")
+    spec = RunSpec(
+        model=request.model, model_key=home.source.key, path=path.name, target=target.name,
+        source_dir=str(source_dir), run_dir=str(home.run(path.name).path), arch=arch, settings=cfg,
+        dataset=cfg.dataset, data_file=str(home.data_file) if cfg.dataset == "local" else None,
+        peak_flops_per_rank=target.peak_flops_per_rank(cfg.lnc),
+        overrides=list(path.overrides(target.name, cfg)), titan_args=list(request.titan_args),
+    )
+    check_parallelism(spec)
+    if path.prepare is not None:
+        path.prepare(spec)
+    return spec
+
+
+def arch_without_download(source: store.Source) -> Qwen3Arch:
+    """Dry runs work before download: embedded configs are known, and so are the Hub configs in
+    configs/hub_configs (the real config.json files)."""
+    if source.kind == "embedded":
+        from pipeline.checkpoint.embedded import EMBEDDED
+
+        return arch_from_config(EMBEDDED[source.model].config, f"embedded {source.model}")
+    known = HUB_CONFIGS / f"{source.name}.json"
+    if known.exists():
+        return arch_from_config(json.loads(known.read_text()), str(known))
+    raise PipelineError(f"{source.model!r} is not downloaded and its config.json is not in {HUB_CONFIGS}.",
+                        f"run `make download MODEL={source.model}` first.")
+
+
+def check_parallelism(spec: RunSpec) -> None:
+    """TP/SP/FSDP degrees that the world size and the model's heads allow."""
+    s, arch = spec.settings, spec.arch
+    world, tp = s.world_size, s.tensor_parallel
+    if world % tp:
+        raise PipelineError(f"tensor_parallel={tp} does not divide the {world} ranks.", "choose a divisor of the world size.")
+    if arch.num_key_value_heads % tp or arch.num_attention_heads % tp:
+        raise PipelineError(f"tensor_parallel={tp} does not divide the heads ({arch.num_attention_heads}/"
+                            f"{arch.num_key_value_heads} kv).", "choose a TP degree that divides the kv heads.")
+    if s.sequence_parallel and s.seq_len % tp:
+        raise PipelineError(f"seq_len={s.seq_len} is not divisible by tensor_parallel={tp} (sequence parallelism).",
+                            f"use a multiple of {tp}.")
+    if s.data_parallel_shard != -1 and s.data_parallel_shard * tp != world:
+        raise PipelineError(f"data_parallel_shard={s.data_parallel_shard} × tensor_parallel={tp} ≠ {world} ranks.",
+                            "set data_parallel_shard = -1 to use every remaining rank.")
+
