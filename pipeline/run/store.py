@@ -2,7 +2,8 @@
 
 The key is the full source, so two sources never share a folder: an embedded name (`tiny`), a
 Hub id (`Qwen/Qwen3-0.6B` → `Qwen--Qwen3-0.6B`), or a local directory (`local--<name>-<8 hex of
-its absolute path>`). `source.json` records what was downloaded; later stages check it against
+its absolute path>`). A bare name with a config.json in configs/hub_configs (`Qwen3-MoE-trn2-fit`)
+is an architecture without weights: dry runs resolve it, nothing downloads or trains it. `source.json` records what was downloaded; later stages check it against
 MODEL and REVISION. Hub weights stay in the Hugging Face cache (HF_HOME), shared with other HF
 tools; embedded and local sources are written to `source/`.
 """
@@ -18,10 +19,12 @@ from pathlib import Path
 from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_write_text
 from pipeline.run.rundir import RunDir
+from pipeline.run.settings import CONFIG_DIR
 
 REPO = Path(__file__).resolve().parent.parent.parent
 EMBEDDED_NAMES = ("tiny", "tiny-moe")
 SOURCE_RECORD = "source.json"
+HUB_CONFIGS = CONFIG_DIR / "hub_configs"  # real (and trn2-shaped) config.json files, for dry runs
 
 
 def checkpoints_root() -> Path:
@@ -30,7 +33,8 @@ def checkpoints_root() -> Path:
 
 @dataclass(frozen=True)
 class Source:
-    """MODEL, classified: `embedded` (made here), `hub` (org/name) or `local` (a directory)."""
+    """MODEL, classified: `embedded` (made here), `hub` (org/name), `local` (a directory) or
+    `config` (a configs/hub_configs name: dry runs only)."""
 
     kind: str
     model: str
@@ -51,6 +55,8 @@ def parse_model(model: str) -> Source:
         path = Path(model).expanduser().resolve()
         digest = hashlib.sha256(str(path).encode()).hexdigest()[:8]
         return Source("local", model, f"local--{path.name}-{digest}", path=str(path))
+    if "/" not in model and (HUB_CONFIGS / f"{model}.json").is_file():
+        return Source("config", model, model)
     if model.startswith(("/", ".", "~")) or model.count("/") > 1:
         raise PipelineError(f"MODEL={model!r} is not an existing directory (and not a Hub id org/name).",
                             "check the path.")
@@ -111,6 +117,8 @@ class ModelHome:
 
     def source_dir(self, revision: str | None = None) -> Path:
         """The downloaded checkpoint directory, checked against what MODEL (and REVISION) ask for."""
+        if self.source.kind == "config":
+            raise config_only(self.source)
         record = self.record()
         hint = f"make download MODEL={self.source.model}" + (f" REVISION={revision}" if revision else "")
         if record is None:
@@ -133,6 +141,12 @@ class ModelHome:
             raise PipelineError(f"{self.source.repo_id}@{record['commit']} is no longer in the Hugging Face cache "
                                 f"(HF_HOME={os.environ.get('HF_HOME', '~/.cache/huggingface')}).",
                                 f"run `{hint}` again.") from err
+
+
+def config_only(source: Source) -> PipelineError:
+    return PipelineError(f"MODEL={source.model!r} is only a config.json in {HUB_CONFIGS} (no weights): it can be "
+                         "dry-run, not downloaded or trained.",
+                         "add DRY_RUN=1, or give a Hub id (org/name) or a checkpoint directory.")
 
 
 def home(model: str, root: Path | None = None) -> ModelHome:

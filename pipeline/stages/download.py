@@ -45,11 +45,15 @@ def run(args: argparse.Namespace) -> Path:
         hf_dir.validate(directory)
         print(f"{args.model} is already downloaded and valid ({directory}); nothing to do (FORCE=1 to replace).")
         return directory
+    kind = home.source.kind
+    if kind == "config":
+        raise store.config_only(home.source)
+    if kind == "local":
+        hf_dir.validate(Path(home.source.path))  # a broken source leaves nothing behind
     # Fail on an unwritable checkpoints root now, not after minutes of work.
     home.dir.mkdir(parents=True, exist_ok=True)
     if home.source_record.exists():
         home.source_record.unlink()  # not downloaded until the new one is complete
-    kind = home.source.kind
     if kind == "embedded":
         with atomic_directory(home.local_source, replace=True) as tmp:
             provenance = embedded.bootstrap(args.model, tmp)
@@ -57,7 +61,6 @@ def run(args: argparse.Namespace) -> Path:
         home.write_record(corpus_sha256=provenance["corpus_sha256"])
     elif kind == "local":
         source = Path(home.source.path)
-        hf_dir.validate(source)
         with atomic_directory(home.local_source, replace=True) as tmp:
             for item in source.iterdir():
                 if item.is_file() and (item.suffix in LOCAL_SUFFIXES or "tokenizer" in item.name):

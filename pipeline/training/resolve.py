@@ -18,7 +18,7 @@ from pipeline.run import settings as settings_mod
 from pipeline.run import store, targets
 from pipeline.run.spec import RunSpec
 
-HUB_CONFIGS = settings_mod.CONFIG_DIR / "hub_configs"
+HUB_CONFIGS = store.HUB_CONFIGS
 
 
 @dataclass(frozen=True)
