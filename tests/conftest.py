@@ -1,10 +1,11 @@
-"""Shared fixtures: the embedded checkpoints are made once per session, in a temp folder."""
+"""Session fixtures: the embedded checkpoints, made once, and runs with checkpoints for export
+and verify. The test tree mirrors pipeline/: tests/<package>/test_<module>.py tests
+pipeline/<package>/<module>.py; helpers shared by several modules are in tests/helpers.py."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
+import shutil
 import sys
 from pathlib import Path
 
@@ -13,20 +14,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-
-def run_pipeline(*args: str, root: Path, check: bool = True, timeout: int = 600) -> subprocess.CompletedProcess:
-    """`python -m pipeline …` exactly as a user runs it, with outputs under `root`."""
-    env = {**os.environ, "PIPELINE_CHECKPOINTS": str(root), "MALLOC_MMAP_THRESHOLD_": "4294967296",
-           "MALLOC_TRIM_THRESHOLD_": "4294967296"}
-    result = subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=REPO, env=env, capture_output=True,
-                            text=True, timeout=timeout)
-    if check and result.returncode != 0:
-        raise AssertionError(f"pipeline {' '.join(args)} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    return result
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+from tests.helpers import EXPORT_MODELS, EXPORT_NPROC, TRAINED_STEPS, copy_model, run_pipeline  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -39,14 +27,29 @@ def checkpoints(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(scope="session")
+def export_runs(checkpoints, tmp_path_factory) -> Path:
+    """A checkpoints root of its own (the shared one's source/ and data/ linked in) with, per model,
+    a native run that ran STEPS=0 and then resumed to STEPS=2: its checkpoint/ keeps step-0 and step-2."""
+    root = tmp_path_factory.getbasetemp() / "export-runs"
+    shutil.rmtree(root, ignore_errors=True)
+    for model in EXPORT_MODELS:
+        copy_model(checkpoints, root, model, link=True)
+        for steps in ("0", str(TRAINED_STEPS)):
+            run_pipeline("train", "--model", model, "--path", "native", "--steps", steps,
+                         "--nproc-per-node", EXPORT_NPROC[model], root=root)
+    return root
+
+
 # The container test builds a full image on a private Docker engine (~20 min cold on 2 cores, seconds
 # with the engine's build cache); .ci/run asks for it, a local `make test` only with the variable set.
 # The report header says which, either way.
 CONTAINER_TESTS = os.environ.get("PIPELINE_CONTAINER_TESTS") == "1"
-collect_ignore = [] if CONTAINER_TESTS else ["test_container.py"]
+CONTAINER_TEST_FILE = "stages/test_image.py"
+collect_ignore = [] if CONTAINER_TESTS else [CONTAINER_TEST_FILE]
 
 
 def pytest_report_header(config):
     if not CONTAINER_TESTS:
-        return "tests/test_container.py not collected: set PIPELINE_CONTAINER_TESTS=1 (needs root to start dockerd)"
+        return f"tests/{CONTAINER_TEST_FILE} not collected: set PIPELINE_CONTAINER_TESTS=1 (needs root to start dockerd)"
     return "container tests: on"

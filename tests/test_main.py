@@ -1,23 +1,21 @@
-"""Survey of bad inputs across stages, run exactly as a user runs them: each must give one line
-`error: … Fix: …`, exit status 2, no traceback (unless --debug), and leave no output behind."""
+"""pipeline/__main__.py: a survey of bad inputs across stages, run exactly as a user runs them: each
+must give one line `error: … Fix: …`, exit status 2, no traceback (unless --debug), and leave no
+output behind."""
 
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import pytest
 
-from conftest import run_pipeline
+from tests.helpers import copy_model, run_pipeline, source_dir
 
 TRAIN = ("train", "--model", "tiny", "--path", "native")
 
 
 def _copy(root: Path, checkpoints: Path) -> None:
-    (root / "tiny").mkdir(parents=True, exist_ok=True)
-    for part in ("hf", "data"):
-        shutil.copytree(checkpoints / "tiny" / part, root / "tiny" / part)
+    copy_model(checkpoints, root, "tiny")
 
 
 def _config(root: Path, text: str) -> str:
@@ -28,19 +26,19 @@ def _config(root: Path, text: str) -> str:
 
 def no_tokenizer(root, ck):
     _copy(root, ck)
-    (root / "tiny" / "hf" / "tokenizer.json").unlink()
+    (source_dir(root) / "tokenizer.json").unlink()
     return TRAIN, "lacks tokenizer files"
 
 
 def missing_shard(root, ck):
     _copy(root, ck)
-    next((root / "tiny" / "hf").glob("model-00002-*.safetensors")).unlink()
+    next(source_dir(root).glob("model-00002-*.safetensors")).unlink()
     return TRAIN, "names shards that are missing"
 
 
 def truncated_shard(root, ck):
     _copy(root, ck)
-    shard = next((root / "tiny" / "hf").glob("model-00001-*.safetensors"))
+    shard = next(source_dir(root).glob("model-00001-*.safetensors"))
     os.truncate(shard, shard.stat().st_size // 2)
     return TRAIN, "is truncated"
 
@@ -62,7 +60,15 @@ def conflicting_parallelism(root, ck):
 
 
 def unknown_model(root, ck):
-    return ("train", "--model", "nosuch", "--path", "native", "--dry-run"), "'nosuch' is not downloaded"
+    return ("train", "--model", "someorg/nosuch", "--path", "native", "--dry-run"), "'someorg/nosuch' is not downloaded"
+
+
+def config_only_model_download(root, ck):
+    return ("download", "--model", "Qwen3-MoE-trn2-fit"), "is only a config.json"
+
+
+def config_only_model_train(root, ck):
+    return ("train", "--model", "Qwen3-MoE-trn2-fit", "--path", "nki"), "it can be dry-run, not downloaded or trained"
 
 
 def model_path_missing(root, ck):
@@ -107,12 +113,12 @@ def nki_constraint_broken(root, ck):
 
 def export_without_run(root, ck):
     _copy(root, ck)
-    return ("export", "--model", "tiny", "--run", "native"), "no run there"
+    return ("export", "--model", "tiny", "--path", "native"), "no run there"
 
 
 def export_bad_shard_size(root, ck):
     _copy(root, ck)
-    return ("export", "--model", "tiny", "--run", "native", "--max-shard-size", "5XB"), "MAX_SHARD_SIZE='5XB' is not a size"
+    return ("export", "--model", "tiny", "--path", "native", "--max-shard-size", "5XB"), "MAX_SHARD_SIZE='5XB' is not a size"
 
 
 def unknown_flag(root, ck):
@@ -120,7 +126,7 @@ def unknown_flag(root, ck):
 
 
 CASES = [no_tokenizer, missing_shard, truncated_shard, config_typo, wrong_type, conflicting_parallelism,
-         unknown_model, model_path_missing, root_not_writable, steps_negative, steps_not_a_number, seq_len_zero,
+         unknown_model, config_only_model_download, config_only_model_train, model_path_missing, root_not_writable, steps_negative, steps_not_a_number, seq_len_zero,
          unknown_target, trn2_without_neuron, nki_constraint_broken, export_without_run, export_bad_shard_size,
          unknown_flag]
 

@@ -1,4 +1,5 @@
-"""The image, built and run by a real Docker engine.
+"""pipeline/stages/image.py: the image, built and run by a real Docker engine (collected only with
+PIPELINE_CONTAINER_TESTS=1, see tests/conftest.py).
 
 No registry is reachable here, so the base is a Debian bookworm (Python 3.11, like the CPU
 wheels, plus g++ and Python headers for inductor) made with mmdebstrap and imported. The test
@@ -26,7 +27,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, read_metrics, run_pipeline
+from pipeline.run.image import default_tag, lock_sha256
+from pipeline.stages import image as image_stage
+from tests.helpers import REPO, copy_model, read_metrics, run_dir, run_pipeline
 
 # torchtitan compiles its flex-attention block mask with torch.compile even when the model runs
 # eagerly, so inductor needs a C++ compiler and Python headers in the image, as on the host.
@@ -107,34 +110,21 @@ def cpu_lock(tmp_path_factory) -> Path:
         lines.append(line)
     assert any(line.startswith("torch==") for line in lines), "requirements-dev.lock no longer pins torch"
     lock = tmp_path_factory.mktemp("lock") / "requirements-cpu-test.lock"
-    lock.write_text("# requirements-dev.lock for a CPU test image (tests/test_container.py)\n" + "\n".join(lines) + "\n")
+    lock.write_text("# requirements-dev.lock for a CPU test image (tests/stages/test_image.py)\n" + "\n".join(lines) + "\n")
     return lock
 
 
 @pytest.fixture(scope="session")
 def image(engine, base_image, cpu_lock) -> dict:
-    from pipeline import container
-
     # The wheelhouse is keyed by the lock's hash and kept between sessions: it is the slow part.
-    wheelhouse = Path("/tmp/pipeline-wheelhouse") / container.lock_sha256(cpu_lock)[:12]
-    spec = container.BuildSpec(base_image=base_image, lock=cpu_lock, tag=container.default_tag(cpu_lock),
-                               wheelhouse=wheelhouse, pip_mounts=PIP_MOUNTS)
+    wheelhouse = Path("/tmp/pipeline-wheelhouse") / lock_sha256(cpu_lock)[:12]
+    spec = image_stage.BuildSpec(base_image=base_image, lock=cpu_lock, tag=default_tag(cpu_lock),
+                                 wheelhouse=wheelhouse, pip_mounts=PIP_MOUNTS)
     os.environ.update(PIP_ENV)
-    built = container.build(spec, engine)
+    built = image_stage.build(spec, engine)
     MEASURE.write_text(json.dumps({"build_seconds": built["seconds"], "image_bytes": built["size_bytes"],
                                    "tag": built["tag"]}, indent=2))
     return built
-
-
-def test_tag_follows_the_lock(tmp_path):
-    from pipeline import container
-
-    lock = tmp_path / "a.lock"
-    lock.write_text("torch==2.14.0\n")
-    first = container.default_tag(lock)
-    lock.write_text("torch==2.14.1\n")
-    assert container.default_tag(lock) != first
-    assert re.fullmatch(r"qwen3-pipeline:lock-[0-9a-f]{12}", first)
 
 
 def test_dockerfile_passes_hadolint():
@@ -145,11 +135,9 @@ def test_dockerfile_passes_hadolint():
 
 
 def test_image_labels_and_user(engine, image, cpu_lock):
-    from pipeline import container
-
     attrs = engine.images.get(image["tag"]).attrs
     labels = attrs["Config"]["Labels"]
-    assert labels["pipeline.lock.sha256"] == container.lock_sha256(cpu_lock)
+    assert labels["pipeline.lock.sha256"] == lock_sha256(cpu_lock)
     assert labels["org.opencontainers.image.base.name"] == BASE_TAG
     assert attrs["Config"]["User"] not in ("", "0", "root")
     assert not any("/tmp/wheels" in (layer.get("CreatedBy") or "") for layer in engine.api.history(image["tag"])), \
@@ -157,35 +145,32 @@ def test_image_labels_and_user(engine, image, cpu_lock):
 
 
 def test_train_native_in_container_matches_host(engine, image, tmp_path, capfd):
-    from pipeline import container
-
     host_root, ctr_root = tmp_path / "host", tmp_path / "ctr"
     for stage in (("download", "--model", "tiny"), ("data", "--model", "tiny")):
         run_pipeline(*stage, root=host_root)
     run_pipeline("train", "--model", "tiny", "--path", "native", "--steps", "3", "--fresh", root=host_root)
-    host_step1 = read_metrics(host_root / "tiny" / "native")[0]
+    host_step1 = read_metrics(run_dir(host_root, "tiny", "native"))[0]
 
     def in_image(*argv: str) -> int:
-        request = container.RunRequest(image=image["tag"], argv=list(argv), checkpoints=ctr_root,
-                                       hf_cache=tmp_path / "hf", compile_cache=tmp_path / "cc")
-        return container.run_in_image(request, engine)
+        request = image_stage.ContainerRun(image=image["tag"], argv=list(argv), checkpoints=ctr_root,
+                                           hf_cache=tmp_path / "hf", compile_cache=tmp_path / "cc")
+        return image_stage.run_in_image(request, engine)
 
     started = time.monotonic()
     assert in_image("download", "--model", "tiny") == 0
     assert in_image("data", "--model", "tiny") == 0
-    assert (ctr_root / "tiny" / "hf" / "config.json").exists() and (ctr_root / "tiny" / "data" / "train.jsonl").exists()
-    # The embedded corpus is the interpreter's pydoc_data topics, which differ between Debian's
-    # Python 3.11.2 and the host's 3.11.x, so the container's own tiny is other weights and text.
-    # The loss comparison trains the host's tiny, so only the image's torch/torchtitan differ.
-    for part in ("hf", "data"):
-        shutil.rmtree(ctr_root / "tiny" / part)
-        shutil.copytree(host_root / "tiny" / part, ctr_root / "tiny" / part)
-    container._writable_for_image_user(ctr_root)
+    assert (ctr_root / "tiny" / "source" / "config.json").exists() and (ctr_root / "tiny" / "data" / "train.jsonl").exists()
+    # The embedded corpus is pinned (transformers 5.16.0's docstrings), so the container's own tiny
+    # should be the host's; the loss comparison still trains the host's tiny, so that only the
+    # image's torch/torchtitan differ.
+    shutil.rmtree(ctr_root / "tiny")
+    copy_model(host_root, ctr_root, "tiny")
+    image_stage._writable_for_image_user(ctr_root)
     assert in_image("train", "--model", "tiny", "--path", "native", "--steps", "3", "--fresh") == 0
     seconds = time.monotonic() - started
     out = capfd.readouterr().out
     assert "step-1 loss:" in out, "the container's logs were not streamed"
-    metrics = read_metrics(ctr_root / "tiny" / "native")
+    metrics = read_metrics(run_dir(ctr_root, "tiny", "native"))
     assert [m["step"] for m in metrics][:3] == [1, 2, 3]
     ctr_step1 = metrics[0]
     # Same data, seed, weights and torch build as the host run.
@@ -198,24 +183,20 @@ def test_train_native_in_container_matches_host(engine, image, tmp_path, capfd):
 
 
 def test_failure_keeps_exit_status_and_removes_container(engine, image, tmp_path):
-    from pipeline import container
-
     before = {c.id for c in engine.containers.list(all=True)}
-    request = container.RunRequest(image=image["tag"], argv=["train", "--model", "no-such-model", "--path", "native"],
-                                   checkpoints=tmp_path / "c", hf_cache=tmp_path / "hf", compile_cache=tmp_path / "cc")
-    assert container.run_in_image(request, engine) == 2
+    request = image_stage.ContainerRun(image=image["tag"], argv=["train", "--model", "no-such-model", "--path", "native"],
+                                       checkpoints=tmp_path / "c", hf_cache=tmp_path / "hf", compile_cache=tmp_path / "cc")
+    assert image_stage.run_in_image(request, engine) == 2
     assert {c.id for c in engine.containers.list(all=True)} == before
 
 
 def test_hf_token_reaches_the_container_and_is_never_printed(engine, image, tmp_path, capfd, monkeypatch):
-    from pipeline import container
-
     secret = "hf_test" + "x" * 20
     monkeypatch.setenv("HF_TOKEN", secret)
     probe = "import os, hashlib; print('token sha', hashlib.sha256(os.environ['HF_TOKEN'].encode()).hexdigest())"
-    request = container.RunRequest(image=image["tag"], argv=["python", "-c", probe], checkpoints=tmp_path / "c",
-                                   hf_cache=tmp_path / "hf", compile_cache=tmp_path / "cc")
-    assert container.run_in_image(request, engine) == 0
+    request = image_stage.ContainerRun(image=image["tag"], argv=["python", "-c", probe], checkpoints=tmp_path / "c",
+                                       hf_cache=tmp_path / "hf", compile_cache=tmp_path / "cc")
+    assert image_stage.run_in_image(request, engine) == 0
     out, err = capfd.readouterr()
     import hashlib
 
@@ -224,16 +205,14 @@ def test_hf_token_reaches_the_container_and_is_never_printed(engine, image, tmp_
 
 
 def test_ctrl_c_removes_the_container(engine, image, tmp_path):
-    from pipeline import container
-
     before = {c.id for c in engine.containers.list(all=True)}
-    request = container.RunRequest(image=image["tag"], argv=["sh", "-c", "echo started; sleep 120"],
-                                   checkpoints=tmp_path / "c", hf_cache=tmp_path / "hf", compile_cache=tmp_path / "cc")
+    request = image_stage.ContainerRun(image=image["tag"], argv=["sh", "-c", "echo started; sleep 120"],
+                                       checkpoints=tmp_path / "c", hf_cache=tmp_path / "hf", compile_cache=tmp_path / "cc")
     timer = threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
     started = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
-        container.run_in_image(request, engine)
+        image_stage.run_in_image(request, engine)
     timer.cancel()
     assert time.monotonic() - started < 60
     assert {c.id for c in engine.containers.list(all=True)} == before
@@ -247,7 +226,7 @@ def test_stage_cli_runs_in_image(engine, image, tmp_path):
                          "train", "--model", "tiny", "--path", "native", "--dry-run"], cwd=REPO, env=env,
                         capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0, ok.stdout + ok.stderr
-    assert '"run_dir": "/checkpoints/tiny/native"' in ok.stdout
+    assert '"run_dir": "/checkpoints/tiny/runs/native"' in ok.stdout
     bad = subprocess.run([str(REPO / ".venv/bin/python"), "-m", "pipeline", "image", "--image", image["tag"], "--run",
                           "train", "--model", "tiny", "--path", "bogus"], cwd=REPO, env=env, capture_output=True,
                          text=True, timeout=300)

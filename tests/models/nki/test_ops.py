@@ -1,12 +1,12 @@
-"""The nki path's custom ops, checked the way torch checks operators: schema, fake kernel,
-autograd registration, AOT dispatch (torch.library.opcheck), gradients (gradcheck in float64)
-and torch.compile tracing — all on the reference dispatch, which is what CPU runs."""
+"""pipeline/models/nki/ops.py: the nki path's custom ops, checked the way torch checks operators:
+schema, fake kernel, autograd registration, AOT dispatch (torch.library.opcheck), gradients
+(gradcheck in float64) and torch.compile tracing — all on the reference dispatch, which is what
+CPU runs."""
 
-import pytest
 import torch
 
-from pipeline.nki import kernels, ops
-from pipeline.ops.reference import experts_reference
+from pipeline.models.nki import ops
+from pipeline.models.reference import experts_reference
 
 
 def rope_inputs(dtype=torch.float32, batch=2, heads=3, seq=8, dim=16):
@@ -87,15 +87,3 @@ def test_experts_op_equals_reference():
     x, counts, w1, w2, w3 = experts_inputs()
     torch.testing.assert_close(ops.experts(x, counts, w1, w2, w3, False), experts_reference(x, counts, w1, w2, w3))
 
-
-@pytest.mark.skipif(kernels.nki_unavailable_reason() is not None,
-                    reason=f"NKI kernels cannot run here: {kernels.nki_unavailable_reason()} (the real packages come "
-                           "from the Neuron pip repository; they run on trn2 or in the NKI CPU simulator)")
-def test_nki_rope_kernel_matches_reference_in_simulator(monkeypatch):
-    monkeypatch.setenv("NKI_SIMULATOR", "1")
-    q, k, cache = rope_inputs(seq=256, dim=128)
-    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
-    kernels.rope_hf()[1](q.detach(), k.detach(), q_out, k_out, rope_cache=cache, backward=False)
-    ref_q, ref_k = ops.rope_reference(q.detach(), k.detach(), cache, False)
-    torch.testing.assert_close(q_out, ref_q, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(k_out, ref_k, atol=1e-4, rtol=1e-4)

@@ -1,12 +1,14 @@
-"""The hf path for real: transformers' Qwen3 under torchtitan, 2 gloo ranks, against native and transformers."""
+"""pipeline/models/hf.py, the hf training path for real: transformers' Qwen3 under torchtitan,
+2 gloo ranks, against native and transformers."""
 
 import json
 
 import pytest
 import torch
 
-from conftest import REPO, read_metrics, run_pipeline
-from pipeline.reference_loss import hf_step1_loss
+from pipeline.checkpoint.reference_loss import hf_step1_loss
+from pipeline.run.rundir import RunDir
+from tests.helpers import read_metrics, run_dir, run_pipeline, source_dir
 
 STEPS = 3
 MODELS = ["tiny", "tiny-moe"]
@@ -19,20 +21,19 @@ def runs(checkpoints):
         for path in ("hf", "native"):
             result = run_pipeline("train", "--model", model, "--path", path, "--steps", str(STEPS), "--fresh",
                                   root=checkpoints)
-            run_dir = checkpoints / model / ("hf-run" if path == "hf" else path)
-            out[model, path] = (run_dir, result.stdout)
+            out[model, path] = (run_dir(checkpoints, model, path), result.stdout)
     return out
 
 
 @pytest.mark.parametrize("model", MODELS)
 def test_step1_agrees_with_native_and_transformers(runs, checkpoints, model):
-    hf_dir, stdout = runs[model, "hf"]
+    hf_run, stdout = runs[model, "hf"]
     native_dir, _ = runs[model, "native"]
-    hf, native = read_metrics(hf_dir)[0], read_metrics(native_dir)[0]
+    hf, native = read_metrics(hf_run)[0], read_metrics(native_dir)[0]
     assert f"step-1 loss: {hf['loss']:.6f}" in stdout
     assert abs(hf["loss"] - native["loss"]) < 1e-4, (hf["loss"], native["loss"])
     assert abs(hf["grad_norm"] - native["grad_norm"]) < 1e-3 * native["grad_norm"], (hf["grad_norm"], native["grad_norm"])
-    reference = hf_step1_loss(checkpoints / model / "hf", hf_dir)
+    reference = hf_step1_loss(source_dir(checkpoints, model), RunDir(hf_run).first_batches())
     assert abs(hf["loss"] - reference) < 1e-4, (hf["loss"], reference)
     assert hf["loss"] < 9.0  # the checkpoint's weights loaded: far below ln(151936) = 11.93
 
@@ -41,43 +42,34 @@ def test_step1_agrees_with_native_and_transformers(runs, checkpoints, model):
 def test_metrics_checkpoint_and_hf_keys(runs, model):
     from torch.distributed.checkpoint import FileSystemReader
 
-    run_dir, _ = runs[model, "hf"]
-    metrics = read_metrics(run_dir)
+    hf_run, _ = runs[model, "hf"]
+    metrics = read_metrics(hf_run)
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     for record in metrics:
         for key in ("loss", "grad_norm", "tokens_per_s", "mfu", "memory_gib"):
             assert record[key] > 0, (key, record)
-    assert sorted(p.name for p in (run_dir / "first_batch").iterdir()) == ["rank0.safetensors", "rank1.safetensors"]
-    keys = set(FileSystemReader(str(run_dir / "checkpoint" / f"step-{STEPS}")).read_metadata().state_dict_metadata)
+    assert sorted(p.name for p in (hf_run / "first_batch").iterdir()) == ["rank0.safetensors", "rank1.safetensors"]
+    keys = set(FileSystemReader(str(hf_run / "checkpoint" / f"step-{STEPS}")).read_metadata().state_dict_metadata)
     assert "model.layers.0.self_attn.q_proj.weight" in keys  # HF's own names, no wrapper prefix
     assert not any(k.startswith("model.model.") for k in keys)
     if model == "tiny-moe":
         assert "model.layers.0.mlp.experts.gate_up_proj" in keys
-    assert json.loads((run_dir / "run.json").read_text())["path"] == "hf"
+    assert json.loads((hf_run / "run.json").read_text())["path"] == "hf"
 
 
 def test_hf_run_leaves_the_checkpoint_alone(runs, checkpoints):
-    # <name>/hf is the downloaded checkpoint; the hf path's --fresh run must not delete it.
-    assert (checkpoints / "tiny" / "hf" / "config.json").exists()
-    assert not (checkpoints / "tiny" / "hf" / "metrics.jsonl").exists()
-
-
-def test_contradicting_flavor_is_refused_for_hf(tmp_path):
-    config = tmp_path / "cpu-flavor.toml"
-    config.write_text((REPO / "configs" / "cpu.toml").read_text() + '\n[paths.hf]\nflavor = "0.6B"\n')
-    result = run_pipeline("train", "--model", "tiny", "--path", "hf", "--dry-run", "--config", str(config),
-                          root=tmp_path, check=False)
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:") and "contradicts" in lines[0], result.stderr
-    assert "hidden_size" in lines[0]
+    # source/ is the downloaded checkpoint; the hf path's --fresh run (runs/hf) must not touch it.
+    assert runs["tiny", "hf"][0] == checkpoints / "tiny" / "runs" / "hf"
+    assert (source_dir(checkpoints, "tiny") / "config.json").exists() and (checkpoints / "tiny" / "source.json").exists()
+    assert not (source_dir(checkpoints, "tiny") / "metrics.jsonl").exists()
 
 
 def test_trn2_dry_run_has_a_tp_plan_without_sequence_parallel(tmp_path):
     result = run_pipeline("train", "--model", "Qwen/Qwen3-4B-Instruct-2507", "--path", "hf", "--target", "trn2",
                           "--dry-run", root=tmp_path)
     spec = json.loads(result.stdout[: result.stdout.index("launch command:")])
-    assert (spec["nproc_per_node"], spec["tensor_parallel"], spec["sequence_parallel"]) == (64, 4, False)
+    settings = spec["settings"]
+    assert (settings["nproc_per_node"], settings["tensor_parallel"], settings["sequence_parallel"]) == (64, 4, False)
     assert spec["arch"]["head_dim"] == 128 and spec["arch"]["rope_theta"] == 5e6
 
 
@@ -86,8 +78,8 @@ def test_packed_documents_see_only_themselves(model):
     """Block-causal mask + restarting positions == each document run alone by plain transformers."""
     from transformers import AutoModelForCausalLM
 
-    from pipeline import hf_model
-    from pipeline.embedded import EMBEDDED
+    from pipeline.checkpoint.embedded import EMBEDDED
+    from pipeline.models import hf as hf_model
 
     torch.manual_seed(0)
     config_json = dict(EMBEDDED[model].config)
@@ -113,8 +105,8 @@ def test_packed_documents_see_only_themselves(model):
 @pytest.mark.parametrize("model", MODELS)
 def test_adapter_round_trip_uses_on_disk_keys(model):
 
-    from pipeline import hf_model
-    from pipeline.embedded import EMBEDDED
+    from pipeline.checkpoint.embedded import EMBEDDED
+    from pipeline.models import hf as hf_model
 
     config_json = dict(EMBEDDED[model].config)
     model_ = hf_model.HFQwen3.Config(config_json=config_json).build()
@@ -127,6 +119,6 @@ def test_adapter_round_trip_uses_on_disk_keys(model):
 
 
 def hf_model_arch_keys(config_json: dict) -> set[str]:
-    from pipeline.qwen3_arch import arch_from_config
+    from pipeline.checkpoint.arch import arch_from_config
 
     return set(arch_from_config(config_json).expected_shapes())

@@ -1,15 +1,14 @@
-"""`make doctor` on a fake trn2 host tree and on this one."""
+"""pipeline/stages/doctor.py (`make doctor`) on a fake trn2 host tree and on this one."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-import pytest
 
-from conftest import REPO, run_pipeline
-from pipeline import doctor
 from pipeline.errors import PipelineError
+from pipeline.stages import doctor
+from tests.helpers import REPO, run_pipeline
 
 
 def _fake_trn2(tmp_path: Path) -> doctor.Host:

@@ -1,4 +1,5 @@
-"""`make verify-checkpoint`: reload, keys, tensors, step-1 losses, verify.json; bad exports fail."""
+"""pipeline/stages/verify.py (`make verify-checkpoint`): reload, keys, tensors, step-1 losses,
+verify.json; bad exports fail."""
 
 from __future__ import annotations
 
@@ -10,19 +11,20 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import read_metrics, run_pipeline
-from pipeline import export as export_stage
-from pipeline import hf_checkpoint
 from pipeline.__main__ import main
-from pipeline.verify import verify
-from test_export import TRAINED_STEPS, export_runs, tied_source_with_lm_head, fake_run
+from pipeline.checkpoint import hf_dir, manifest
+from pipeline.run.rundir import RunDir
+from pipeline.stages import export as export_stage
+from pipeline.stages.verify import verify
+from tests.helpers import (TRAINED_STEPS, fake_run, read_metrics, run_dir as runs_dir, run_pipeline, source_dir,
+                           tied_source_with_lm_head)
 
 SCHEMA = {"passed", "checkpoint", "reference", "checks", "missing_keys", "unexpected_keys", "mismatched_keys", "step1_loss"}
 
 
 @pytest.fixture(scope="session")
-def runs(checkpoints, tmp_path_factory) -> Path:
-    return export_runs(checkpoints, tmp_path_factory.getbasetemp())
+def runs(export_runs) -> Path:
+    return export_runs
 
 
 @pytest.fixture(scope="session")
@@ -30,10 +32,10 @@ def exports(runs, tmp_path_factory) -> dict:
     """(model, step, dtype) → an export of that run's checkpoint, made once."""
     base = tmp_path_factory.mktemp("exports")
     out = {}
-    for model, step, dtype in (("tiny", 0, "fp32"), ("tiny", 0, "bf16"), ("tiny-moe", 0, "fp32"),
-                               ("tiny", TRAINED_STEPS, "bf16"), ("tiny-moe", TRAINED_STEPS, "fp32")):
+    for model, step, dtype in (("tiny", 0, "float32"), ("tiny", 0, "bfloat16"), ("tiny-moe", 0, "float32"),
+                               ("tiny", TRAINED_STEPS, "bfloat16"), ("tiny-moe", TRAINED_STEPS, "float32")):
         out[model, step, dtype] = export_stage.export(export_stage.ExportConfig(
-            runs / model / "native", dtype=dtype, step=step, output=base / f"{model}-{step}-{dtype}"))
+            RunDir(runs_dir(runs, model, "native")), dtype=dtype, step=step, output=base / f"{model}-{step}-{dtype}"))
     return out
 
 
@@ -43,8 +45,8 @@ def checks(result) -> dict:
 
 @pytest.mark.parametrize("model", ["tiny", "tiny-moe"])
 def test_step0_round_trip_passes_with_the_logged_step1_loss(runs, exports, tmp_path, model):
-    run_dir = runs / model / "native"
-    result = verify(exports[model, 0, "fp32"], run_dir.parent / "hf", run_dir, tmp_path / "verify.json")
+    run_dir = runs_dir(runs, model, "native")
+    result = verify(exports[model, 0, "float32"], source_dir(runs, model), RunDir(run_dir), tmp_path / "verify.json")
     by_name = checks(result)
     assert result.passed, [c for c in result.checks if not c.passed]
     assert {"files", "manifest", "load", "keys", "shapes", "dtypes", "finite", "round-trip",
@@ -62,18 +64,19 @@ def test_step0_round_trip_passes_with_the_logged_step1_loss(runs, exports, tmp_p
 
 
 def test_bf16_step0_export_is_bitwise_the_cast_source_and_close_in_loss(runs, exports, tmp_path):
-    run_dir = runs / "tiny" / "native"
-    result = verify(exports["tiny", 0, "bf16"], run_dir.parent / "hf", run_dir, tmp_path / "verify.json")
+    run_dir = runs_dir(runs, "tiny", "native")
+    result = verify(exports["tiny", 0, "bfloat16"], source_dir(runs, "tiny"), RunDir(run_dir), tmp_path / "verify.json")
     assert result.passed, [c for c in result.checks if not c.passed]
     assert "24/24 tensors bitwise equal" in checks(result)["round-trip"].detail
     assert result.step1_loss["export"] != result.step1_loss["logged"]  # bf16 rounding is real…
     assert abs(result.step1_loss["export"] - result.step1_loss["logged"]) < 2e-2  # …and small
 
 
-@pytest.mark.parametrize("model,dtype", [("tiny", "bf16"), ("tiny-moe", "fp32")])
+@pytest.mark.parametrize("model,dtype", [("tiny", "bfloat16"), ("tiny-moe", "float32")])
 def test_trained_export_changed_and_source_matches_step1(runs, exports, tmp_path, model, dtype):
-    run_dir = runs / model / "native"
-    result = verify(exports[model, TRAINED_STEPS, dtype], run_dir.parent / "hf", run_dir, tmp_path / "verify.json")
+    run_dir = runs_dir(runs, model, "native")
+    result = verify(exports[model, TRAINED_STEPS, dtype], source_dir(runs, model), RunDir(run_dir),
+                    tmp_path / "verify.json")
     by_name = checks(result)
     assert result.passed, [c for c in result.checks if not c.passed]
     assert "round-trip" not in by_name and "changed" in by_name
@@ -87,37 +90,39 @@ def test_steps0_run_uses_a_sibling_runs_first_batch(runs, exports, tmp_path):
     """A STEPS=0 run records no batch: another run of the same model and source lends its own."""
     root = tmp_path / "root"
     (root / "tiny").mkdir(parents=True)
-    (root / "tiny" / "hf").symlink_to(runs / "tiny" / "hf")
-    only0 = root / "tiny" / "native"
-    only0.mkdir()
-    spec = json.loads((runs / "tiny" / "native" / "run.json").read_text())
-    (only0 / "run.json").write_text(json.dumps({**spec, "hf_dir": str(root / "tiny" / "hf")}))
-    result = verify(exports["tiny", 0, "fp32"], root / "tiny" / "hf", only0, tmp_path / "v0.json")
+    source = source_dir(root, "tiny")
+    source.symlink_to(source_dir(runs, "tiny"))
+    trained = runs_dir(runs, "tiny", "native")
+    spec = json.loads((trained / "run.json").read_text())
+    only0 = runs_dir(root, "tiny", "native")
+    only0.mkdir(parents=True)
+    (only0 / "run.json").write_text(json.dumps({**spec, "source_dir": str(source), "run_dir": str(only0)}))
+    result = verify(exports["tiny", 0, "float32"], source, RunDir(only0), tmp_path / "v0.json")
     assert result.passed and result.step1_loss["logged"] is None
     assert "held-out corpus" in checks(result)["step1-loss-export"].detail
     assert result.step1_loss["export"] == result.step1_loss["reference"]
-    sibling = root / "tiny" / "other"
-    shutil.copytree(runs / "tiny" / "native" / "first_batch", sibling / "first_batch")
-    shutil.copy(runs / "tiny" / "native" / "metrics.jsonl", sibling / "metrics.jsonl")
-    (sibling / "run.json").write_text(json.dumps({**spec, "hf_dir": str(root / "tiny" / "hf")}))
-    result = verify(exports["tiny", 0, "fp32"], root / "tiny" / "hf", only0, tmp_path / "v1.json")
+    sibling = runs_dir(root, "tiny", "other")
+    shutil.copytree(trained / "first_batch", sibling / "first_batch")
+    shutil.copy(trained / "metrics.jsonl", sibling / "metrics.jsonl")
+    (sibling / "run.json").write_text(json.dumps({**spec, "source_dir": str(source), "run_dir": str(sibling)}))
+    result = verify(exports["tiny", 0, "float32"], source, RunDir(only0), tmp_path / "v1.json")
     assert result.passed and "sibling run other" in checks(result)["step1-loss-export"].detail
-    assert result.step1_loss["logged"] == read_metrics(runs / "tiny" / "native")[0]["loss"]
+    assert result.step1_loss["logged"] == read_metrics(trained)[0]["loss"]
 
 
-def test_cli_by_model_and_run_writes_verify_json_in_the_run_dir(runs):
-    run_pipeline("export", "--model", "tiny", "--run", "native", "--dtype", "fp32", "--force", root=runs)
-    result = run_pipeline("verify", "--model", "tiny", "--run", "native", root=runs)
+def test_cli_by_model_and_path_writes_verify_json_in_the_run_dir(runs):
+    run_pipeline("export", "--model", "tiny", "--path", "native", "--dtype", "float32", "--force", root=runs)
+    result = run_pipeline("verify", "--model", "tiny", "--path", "native", root=runs)
     assert "PASSED" in result.stdout and "round-trip" not in result.stdout and "changed" in result.stdout
-    written = json.loads((runs / "tiny" / "native" / "verify.json").read_text())
+    written = json.loads((runs_dir(runs, "tiny", "native") / "verify.json").read_text())
     assert written["passed"] is True and set(written) == SCHEMA
 
 
 def test_tied_source_storing_lm_head_round_trips(runs, tmp_path):
     source = tied_source_with_lm_head(runs, tmp_path)
-    run_dir = fake_run(runs, tmp_path, hf_dir=source)
-    out = export_stage.export(export_stage.ExportConfig(run_dir, dtype="fp32"))
-    result = verify(out, source, run_dir, tmp_path / "verify.json")
+    run_dir = fake_run(runs, tmp_path, source=source)
+    out = export_stage.export(export_stage.ExportConfig(RunDir(run_dir), dtype="float32"))
+    result = verify(out, source, RunDir(run_dir), tmp_path / "verify.json")
     assert result.passed, [c for c in result.checks if not c.passed]
     assert "lm_head.weight present (reference: present)" in checks(result)["keys"].detail
 
@@ -126,7 +131,7 @@ def test_tied_source_storing_lm_head_round_trips(runs, tmp_path):
 
 def broken_copy(exports, tmp_path, model="tiny") -> Path:
     out = tmp_path / "broken"
-    shutil.copytree(exports[model, 0, "fp32"], out)
+    shutil.copytree(exports[model, 0, "float32"], out)
     return out
 
 
@@ -141,11 +146,11 @@ def failed(written: dict) -> set[str]:
 
 
 def shard_of(directory: Path) -> Path:
-    return hf_checkpoint.shard_files(directory)[0]
+    return hf_dir.shard_files(directory)[0]
 
 
 def expect_failure(exports, tmp_path, capsys, broken, match, failing, model="tiny"):
-    source = Path(json.loads((exports[model, 0, "fp32"] / export_stage.MANIFEST).read_text())["source"])
+    source = Path(json.loads((exports[model, 0, "float32"] / manifest.MANIFEST).read_text())["source"])
     status, err, written = run_cli(broken, source, tmp_path / "v.json", capsys)
     assert status == 2
     assert err.startswith("error: verify failed") and "\n" not in err and match in err, err
@@ -199,23 +204,23 @@ def test_nan_in_a_tensor(exports, tmp_path, capsys):
 
 def test_missing_moe_expert_is_caught_on_disk_and_at_load(exports, tmp_path, capsys):
     broken = broken_copy(exports, tmp_path, model="tiny-moe")
-    index = json.loads((broken / hf_checkpoint.INDEX).read_text())
+    index = json.loads((broken / hf_dir.INDEX).read_text())
     key = "model.layers.1.mlp.experts.2.up_proj.weight"
     shard = broken / index["weight_map"].pop(key)
     state = load_file(str(shard))
     del state[key]
     save_file(state, str(shard), metadata={"format": "pt"})
-    (broken / hf_checkpoint.INDEX).write_text(json.dumps(index))
+    (broken / hf_dir.INDEX).write_text(json.dumps(index))
     written = expect_failure(exports, tmp_path, capsys, broken, "", {"files"}, model="tiny-moe")
     assert key in next(c["detail"] for c in written["checks"] if c["name"] == "files")
 
 
 def test_missing_expert_fails_the_load_check_itself(exports, tmp_path):
     """Past the on-disk check, transformers 5 itself must not load it silently either."""
-    from pipeline.verify import Verification, _check_load
+    from pipeline.stages.verify import Verification, _check_load
 
     broken = broken_copy(exports, tmp_path, model="tiny-moe")
-    shard = broken / json.loads((broken / hf_checkpoint.INDEX).read_text())["weight_map"][
+    shard = broken / json.loads((broken / hf_dir.INDEX).read_text())["weight_map"][
         "model.layers.0.mlp.experts.1.gate_proj.weight"]
     state = load_file(str(shard))
     del state["model.layers.0.mlp.experts.1.gate_proj.weight"]
