@@ -13,7 +13,7 @@ PATHS = registry.names()
 
 
 def load(target: str, path: str, user_config: Path | None = None) -> settings.TrainSettings:
-    return load(target, path, PATHS, user_config)
+    return settings.load(target, path, PATHS, user_config)
 
 
 def write(tmp_path: Path, text: str) -> Path:
