@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
 import yaml
 
+from pipeline.run import store
 from tests.helpers import REPO
 
 WORKFLOW = REPO / ".github" / "workflows" / "trn2.yml"
@@ -64,17 +66,31 @@ def test_workflow_shape():
         assert job["runs-on"] == ["self-hosted", "trn2"], name
         assert isinstance(job["timeout-minutes"], int), name
     assert jobs["pipeline"]["needs"] == "image" and jobs["verify-kernels"]["needs"] == "pipeline"
-    models = [m["model"] for m in jobs["pipeline"]["strategy"]["matrix"]["include"]]
-    assert models == ["Qwen/Qwen3-4B-Instruct-2507", "tiny-moe"]
+    matrix = jobs["pipeline"]["strategy"]["matrix"]["include"]
+    assert [m["model"] for m in matrix] == ["Qwen/Qwen3-4B-Instruct-2507", "tiny-moe"]
+    # Artifacts are collected from each model's folder under checkpoints/: the store's key.
+    assert [m["key"] for m in matrix] == [store.parse_model(m["model"]).key for m in matrix]
     text = WORKFLOW.read_text()
     order = ["make image", "make download", "make data", 'make "train-$path"', "make export", "make verify-checkpoint",
              "make verify-kernels"]
     positions = [text.index(step) for step in order]
     assert positions == sorted(positions)
     assert "hf native nki" in text
-    for needed in ("metrics.jsonl", "verify.json", "*.log", "upload-artifact"):
-        assert needed in text
+    for needed in ('${{ matrix.key }}"/runs/*/metrics.jsonl', '${{ matrix.key }}"/runs/*/verify.json', "*.log",
+                   "upload-artifact"):
+        assert needed in text, needed
     assert flow["env"]["IN_CONTAINER"] == "1"
+
+
+def test_workflow_sets_only_variables_make_knows():
+    """The Makefile refuses an unknown command-line variable; the workflow must use the known ones."""
+    help_text = subprocess.run(["make", "--no-print-directory", "help"], cwd=REPO, capture_output=True, text=True,
+                               check=True).stdout
+    known = {line.split()[0] for line in help_text.split("\nvariables")[1].splitlines() if line.startswith("  ")}
+    assert {"MODEL", "TRAIN_PATH", "FRESH", "FORCE"} <= known
+    make_lines = [line for line in WORKFLOW.read_text().splitlines() if re.search(r"\bmake ", line)]
+    used = {name for line in make_lines for name in re.findall(r"\b([A-Z][A-Z0-9_]*)=", line)}
+    assert used and used <= known, used - known
 
 
 def _make_dry(target: str, **env: str) -> list[str]:
