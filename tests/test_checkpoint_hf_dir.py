@@ -7,7 +7,7 @@ import pytest
 
 from pipeline.checkpoint import hf_dir
 from pipeline.errors import PipelineError
-from tests.helpers import source_dir
+from conftest import source_dir
 
 
 @pytest.mark.parametrize("damage, message", [

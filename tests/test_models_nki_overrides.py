@@ -1,7 +1,7 @@
 """pipeline/models/nki/overrides.py: train-nki for real on CPU; the NKI overrides with reference
 dispatch give native's step-1 loss."""
 
-from tests.helpers import read_metrics, run_dir, run_pipeline
+from conftest import read_metrics, run_dir, run_pipeline
 
 
 def test_nki_step1_loss_equals_native(checkpoints):

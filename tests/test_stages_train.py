@@ -7,7 +7,7 @@ import pytest
 
 from pipeline.checkpoint.reference_loss import hf_step1_loss
 from pipeline.run.rundir import RunDir
-from tests.helpers import read_metrics, run_dir, run_pipeline, source_dir
+from conftest import read_metrics, run_dir, run_pipeline, source_dir
 
 
 @pytest.fixture(scope="module")

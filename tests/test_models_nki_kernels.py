@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pipeline.models.nki import kernels, ops
-from tests.models.nki.test_ops import rope_inputs
+from test_models_nki_ops import rope_inputs
 
 
 @pytest.mark.skipif(kernels.nki_unavailable_reason() is not None,

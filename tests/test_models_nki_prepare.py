@@ -5,7 +5,7 @@ import pytest
 
 from pipeline.errors import PipelineError
 from pipeline.training.resolve import RunRequest, resolve
-from tests.helpers import run_pipeline
+from conftest import run_pipeline
 
 NKI = "pipeline.models.nki.overrides"
 

@@ -8,7 +8,7 @@ import torch
 
 from pipeline.checkpoint.reference_loss import hf_step1_loss
 from pipeline.run.rundir import RunDir
-from tests.helpers import read_metrics, run_dir, run_pipeline, source_dir
+from conftest import read_metrics, run_dir, run_pipeline, source_dir
 
 STEPS = 3
 MODELS = ["tiny", "tiny-moe"]

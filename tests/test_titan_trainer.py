@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 
 from pipeline.run import rundir
 from pipeline.run.rundir import RunDir
-from tests.helpers import REPO, copy_model, read_metrics, run_dir as runs_dir, run_pipeline
-from tests.run.test_rundir import plant_incomplete_step
+from conftest import REPO, copy_model, read_metrics, run_dir as runs_dir, run_pipeline
+from test_run_rundir import plant_incomplete_step
 
 STEPS = "8"  # checkpoint_interval 5 in configs/cpu.toml: step 5 is saved, the kill lands after it
 

@@ -5,7 +5,7 @@ import json
 import shutil
 
 from pipeline.checkpoint import hf_dir
-from tests.helpers import run_pipeline, source_dir
+from conftest import run_pipeline, source_dir
 
 
 def test_local_directory_import(checkpoints, tmp_path):

@@ -7,7 +7,7 @@ import pytest
 
 from pipeline.checkpoint.arch import arch_from_config
 from pipeline.errors import PipelineError
-from tests.helpers import REPO
+from conftest import REPO
 
 HUB = REPO / "configs" / "hub_configs"
 

@@ -39,5 +39,5 @@ def test_same_node_conflict_names_both(moe_config):
 
 def test_ancestor_conflict(moe_config):
     with pytest.raises(PipelineError, match="ancestor"):  # the module is imported by name, as torchtitan does
-        override_check.check(["tests.models.override_fixtures.whole_moe", f"{NKI}.nki_router"], moe_config)
+        override_check.check(["tests.override_fixtures.whole_moe", f"{NKI}.nki_router"], moe_config)
 

@@ -19,7 +19,7 @@ from pipeline.run import store
 from pipeline.run.settings import TrainSettings
 from pipeline.run.spec import RunSpec
 from pipeline.stages import report
-from tests.helpers import REPO, copy_model, read_metrics, run_dir as runs_dir, run_pipeline
+from conftest import REPO, copy_model, read_metrics, run_dir as runs_dir, run_pipeline
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

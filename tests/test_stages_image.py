@@ -29,7 +29,7 @@ import pytest
 
 from pipeline.run.image import default_tag, lock_sha256
 from pipeline.stages import image as image_stage
-from tests.helpers import REPO, copy_model, read_metrics, run_dir, run_pipeline
+from conftest import REPO, copy_model, read_metrics, run_dir, run_pipeline
 
 # torchtitan compiles its flex-attention block mask with torch.compile even when the model runs
 # eagerly, so inductor needs a C++ compiler and Python headers in the image, as on the host.
@@ -110,7 +110,7 @@ def cpu_lock(tmp_path_factory) -> Path:
         lines.append(line)
     assert any(line.startswith("torch==") for line in lines), "requirements-dev.lock no longer pins torch"
     lock = tmp_path_factory.mktemp("lock") / "requirements-cpu-test.lock"
-    lock.write_text("# requirements-dev.lock for a CPU test image (tests/stages/test_image.py)\n" + "\n".join(lines) + "\n")
+    lock.write_text("# requirements-dev.lock for a CPU test image (tests/test_stages_image.py)\n" + "\n".join(lines) + "\n")
     return lock
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pipeline.errors import PipelineError
 from pipeline.stages import doctor
-from tests.helpers import REPO, run_pipeline
+from conftest import REPO, run_pipeline
 
 
 def _fake_trn2(tmp_path: Path) -> doctor.Host:

@@ -16,7 +16,7 @@ from pipeline.checkpoint import hf_dir, manifest
 from pipeline.run.rundir import RunDir
 from pipeline.stages import export as export_stage
 from pipeline.stages.verify import verify
-from tests.helpers import (TRAINED_STEPS, fake_run, read_metrics, run_dir as runs_dir, run_pipeline, source_dir,
+from conftest import (TRAINED_STEPS, fake_run, read_metrics, run_dir as runs_dir, run_pipeline, source_dir,
                            tied_source_with_lm_head)
 
 SCHEMA = {"passed", "checkpoint", "reference", "checks", "missing_keys", "unexpected_keys", "mismatched_keys", "step1_loss"}

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import REPO, run_pipeline
+from conftest import REPO, run_pipeline
 
 MODEL = "Qwen/Qwen3-4B-Instruct-2507"  # dry-run resolvable from configs/hub_configs, no download
 RUN = "Qwen--Qwen3-4B-Instruct-2507/runs/native"  # its run dir under the cluster's checkpoints root

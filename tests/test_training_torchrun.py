@@ -1,6 +1,6 @@
 """pipeline/training/torchrun.py: the one-node launch command needs no shell to expand it."""
 
-from tests.helpers import run_pipeline
+from conftest import run_pipeline
 
 
 def test_single_node_log_dir_has_no_shell_variables(tmp_path):

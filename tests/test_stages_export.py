@@ -20,7 +20,7 @@ from pipeline.errors import PipelineError
 from pipeline.run import rundir
 from pipeline.run.rundir import RunDir
 from pipeline.stages import export as export_stage
-from tests.helpers import (EXPORT_MODELS, TRAINED_STEPS, copy_model, fake_run, read_metrics, run_dir as runs_dir,
+from conftest import (EXPORT_MODELS, TRAINED_STEPS, copy_model, fake_run, read_metrics, run_dir as runs_dir,
                            run_pipeline, source_dir, tensors, tied_source_with_lm_head, weights_path)
 
 
