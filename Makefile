@@ -26,7 +26,7 @@ NPROC|config|ranks per node
 CONFIG||your config file, layered over configs/<TARGET>.toml key by key
 DATASET|config|local (the model's data/train.jsonl), a .jsonl/.txt file, or a Hub dataset id
 REVISION|configs/models.toml|Hub revision (commit) to download and train from
-TITAN_ARGS||torchtitan flags over the built config, e.g. "--training.steps 5 --optimizer.lr 3e-4"
+TITAN_ARGS||torchtitan flags over the built config, e.g. "--training.steps 5 --lr-scheduler.warmup-steps 1" (--help lists them)
 DRY_RUN|0|1: resolve and print the run and its torchrun command, launch nothing
 FRESH|0|1: discard the run's checkpoints instead of resuming
 FORCE|0|1: replace an existing download or export
@@ -61,7 +61,7 @@ PY := $(VENV)/bin/python
 TRAIN_FLAGS = --model $(MODEL) $(if $(TARGET),--target $(TARGET)) $(if $(STEPS),--steps $(STEPS)) \
               $(if $(SEQ_LEN),--seq-len $(SEQ_LEN)) $(if $(NPROC),--nproc-per-node $(NPROC)) \
               $(if $(CONFIG),--config $(CONFIG)) $(if $(DATASET),--dataset $(DATASET)) \
-              $(if $(REVISION),--revision $(REVISION)) $(if $(TITAN_ARGS),--titan-args '$(subst ','\'',$(TITAN_ARGS))') \
+              $(if $(REVISION),--revision $(REVISION)) $(if $(TITAN_ARGS),--titan-args='$(subst ','\'',$(TITAN_ARGS))') \
               $(if $(call on,DRY_RUN),--dry-run) $(if $(call on,FRESH),--fresh)
 HOST_PIPE := $(PY) -m pipeline
 # IN_CONTAINER=1: every stage runs inside the image (IMAGE, default the lock-derived tag) through
