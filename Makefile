@@ -127,7 +127,7 @@ image: setup ## build the container image (Docker SDK), tag from the lock's hash
 	$(HOST_PIPE) image $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE))
 
 doctor: python-check ## what this host has vs what the pipeline needs (works before `make setup`)
-	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m pipeline doctor $(if $(TARGET),--target $(TARGET))
+	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m pipeline doctor --venv $(VENV) $(if $(TARGET),--target $(TARGET))
 
 launch-slurm: setup ## render an sbatch script for NODES trn2 nodes
 	$(HOST_PIPE) launch --scheduler slurm --nodes $(or $(NODES),2) --model $(MODEL) --path $(TRAIN_PATH)

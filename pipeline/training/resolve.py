@@ -49,6 +49,7 @@ def resolve(request: RunRequest) -> RunSpec:
                                   nproc_per_node=request.nproc_per_node, nnodes=request.nnodes,
                                   dataset=request.dataset)
     home = store.home(request.model, request.checkpoints_root)
+    store.check_revision_applies(home.source, request.revision)
     if request.dry_run and not home.is_downloaded():
         arch, source_dir = arch_without_download(home.source), home.local_source
     else:
