@@ -41,7 +41,7 @@ def test_keys_name_the_full_source(tmp_path):
     assert store.parse_model(str(one) + "/").key == key_one  # the same directory spelled another way
 
 
-@pytest.mark.parametrize("model", ["org/name/extra", "/no/such/dir", "./missing", "org/", "/", "a b/c"])
+@pytest.mark.parametrize("model", ["org/name/extra", "/no/such/dir", "./missing", "org/", "/org", "a b/c"])
 def test_malformed_models_are_refused(model):
     with pytest.raises(PipelineError):
         store.parse_model(model)
