@@ -24,7 +24,7 @@ STEPS|config|training steps
 SEQ_LEN|config|sequence length
 NPROC|config|ranks per node
 CONFIG||your config file, layered over configs/<TARGET>.toml key by key
-DATASET|config|local (the model's data/train.jsonl), a .jsonl/.txt file, or a Hub dataset id
+DATASET|config|local (the model's data/train.jsonl), a .jsonl/.txt file, a torchtitan dataset (c4) or a Hub dataset id
 REVISION|configs/models.toml|Hub revision (commit) to download and train from
 TITAN_ARGS||torchtitan flags over the built config, e.g. "--training.steps 5 --lr-scheduler.warmup-steps 1" (--help lists them)
 DRY_RUN|0|1: resolve and print the run and its torchrun command, launch nothing
@@ -58,6 +58,8 @@ $(foreach v,$(BOOL_VARS),$(if $(filter-out 1 0 true false yes no,$($(v))),$(erro
 on = $(filter 1 true yes,$($(1)))
 
 PY := $(VENV)/bin/python
+# Where the stages keep models and runs (the stages read PIPELINE_CHECKPOINTS too); clean/distclean act there.
+CHECKPOINTS := $(or $(PIPELINE_CHECKPOINTS),checkpoints)
 TRAIN_FLAGS = --model $(MODEL) $(if $(TARGET),--target $(TARGET)) $(if $(STEPS),--steps $(STEPS)) \
               $(if $(SEQ_LEN),--seq-len $(SEQ_LEN)) $(if $(NPROC),--nproc-per-node $(NPROC)) \
               $(if $(CONFIG),--config $(CONFIG)) $(if $(DATASET),--dataset $(DATASET)) \
@@ -151,8 +153,8 @@ bench: setup ## measure overhead, time to first step, scaling, export/verify, me
 	BENCH_REPEATS=$(BENCH_REPEATS) BENCH_ONLY=$(BENCH_ONLY) $(PY) bench/run.py
 
 clean: ## remove every run, report and data under checkpoints/ (keeps downloaded weights and .venv)
-	find checkpoints -mindepth 2 -maxdepth 2 \( -name runs -o -name data -o -name report -o -name launch \) -exec rm -rf {} +
+	test ! -d $(CHECKPOINTS) || find $(CHECKPOINTS) -mindepth 2 -maxdepth 2 \( -name runs -o -name data -o -name report -o -name launch \) -exec rm -rf {} +
 
 distclean: ## remove everything: all of checkpoints/ (downloads too) and .venv
-	find checkpoints -mindepth 1 -maxdepth 1 ! -name README.md -exec rm -rf {} +
+	test ! -d $(CHECKPOINTS) || find $(CHECKPOINTS) -mindepth 1 -maxdepth 1 ! -name README.md -exec rm -rf {} +
 	rm -rf $(VENV)

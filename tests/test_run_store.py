@@ -81,7 +81,6 @@ def test_download_records_the_commit_and_leaves_weights_in_the_cache(hub):
     assert record == {"kind": "hub", "model": REPO_ID, "repo_id": REPO_ID, "revision": "main", "commit": COMMIT}
     assert str(snapshot) in first.stdout
     assert not (root / "someorg--tiny" / "source").exists()  # no copy: other HF tools share the cache
-    assert store.home(REPO_ID, root).source_dir() == snapshot
 
 
 def test_download_again_at_the_recorded_commit_is_a_no_op(hub):
@@ -152,6 +151,13 @@ def test_hub_model_named_like_an_embedded_one_never_reuses_it(tiny_root, tmp_pat
     assert "is not in the Hugging Face cache" in one_error_line(download)
     assert not (tiny_root / "someorg--tiny" / "source.json").exists()
     assert (tiny_root / "tiny" / "source.json").read_text() == embedded_record
+
+
+def test_the_embedded_record_names_the_pinned_corpus(tiny_root):
+    from pipeline.checkpoint import corpus
+
+    record = json.loads((tiny_root / "tiny" / "source.json").read_text())
+    assert record == {"kind": "embedded", "model": "tiny", "corpus_sha256": corpus.SHA256}
 
 
 def test_a_record_of_another_source_is_refused(tmp_path):

@@ -14,26 +14,14 @@ from pathlib import Path
 import pytest
 
 from pipeline.stages import verify
-from tiny_checkpoint import REPO
+from tiny_checkpoint import REPO, small_random_checkpoint
 
 
 @pytest.fixture(scope="module")
 def checkpoint_pair(tmp_path_factory) -> tuple[Path, Path]:
     """A small random Qwen3 (written by transformers, with the real tokenizer) and a copy of it."""
-    import torch
-    import transformers
-
-    from pipeline.checkpoint.embedded import TOKENIZER_FILES, tokenizer_dir
-
     root = tmp_path_factory.mktemp("verify")
-    reference = root / "reference"
-    torch.manual_seed(0)
-    config = transformers.Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                      tie_word_embeddings=True, dtype="float32")
-    transformers.Qwen3ForCausalLM(config).save_pretrained(str(reference))
-    for name in TOKENIZER_FILES:
-        shutil.copy2(tokenizer_dir() / name, reference / name)
+    reference = small_random_checkpoint(root / "reference")
     checkpoint = root / "checkpoint"
     shutil.copytree(reference, checkpoint)
     return checkpoint, reference

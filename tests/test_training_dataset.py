@@ -56,6 +56,15 @@ def test_bad_jsonl_is_refused_naming_the_line(tmp_path, content, problem):
     assert problem in err.value.problem
 
 
+def test_long_lines_across_read_chunks_are_checked_whole(tmp_path):
+    path = tmp_path / "long.jsonl"
+    path.write_text("\n\n".join(json.dumps({"text": "word " * 9000}) for _ in range(7)))  # ~45 kB per line
+    assert dataset.resolve(str(path), tmp_path / "unused.jsonl").kind == "file"
+    path.write_text("\n".join([json.dumps({"text": "word " * 9000})] * 3 + ['{"no": "text"}']))
+    with pytest.raises(PipelineError, match="long.jsonl:4 has no"):
+        dataset.resolve(str(path), tmp_path / "unused.jsonl")
+
+
 def test_unusable_values_are_refused(tmp_path):
     local = tmp_path / "train.jsonl"
     for value, problem in [

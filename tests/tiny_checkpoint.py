@@ -37,6 +37,26 @@ def one_error_line(result: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
+def small_random_checkpoint(directory: Path) -> Path:
+    """A one-layer random Qwen3 written by transformers, with the real Qwen3 tokenizer: an HF
+    directory every stage accepts, made in seconds (no pretraining, so its loss is ~ln(vocab))."""
+    import shutil
+
+    import torch
+    import transformers
+
+    from pipeline.checkpoint.embedded import TOKENIZER_FILES, tokenizer_dir
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                      tie_word_embeddings=True, dtype="float32")
+    transformers.Qwen3ForCausalLM(config).save_pretrained(str(directory))
+    for name in TOKENIZER_FILES:
+        shutil.copy2(tokenizer_dir() / name, Path(directory) / name)
+    return Path(directory)
+
+
 @pytest.fixture(scope="session")
 def tiny_root(tmp_path_factory) -> Path:
     """A checkpoints root holding the embedded tiny and its data (data/train.jsonl)."""

@@ -39,14 +39,14 @@ class DataSource:
         return REGISTERED_NAME.get(self.kind, self.dataset)
 
 
-def resolve(dataset: str, local_file: Path, check_local: bool = True) -> DataSource:
+def resolve(dataset: str, local_file: Path, check_local: bool = True, model: str = "…") -> DataSource:
     """DATASET → a DataSource, refused in one line when it cannot be read. `local_file` is the
     model's data/train.jsonl; a dry run passes check_local=False (it may run before `make data`)."""
     if dataset == LOCAL:
         if check_local:
             if not Path(local_file).exists():
                 raise PipelineError(f"{local_file} does not exist (DATASET=local).",
-                                    "run `make data MODEL=…` first, or give DATASET=<file or dataset id>.")
+                                    f"run `make data MODEL={model}` first, or give DATASET=<file or dataset id>.")
             check_file(Path(local_file))
         return DataSource("file", dataset, str(local_file))
     if dataset in TITAN_DATASETS:
@@ -102,20 +102,19 @@ def check_file(path: Path) -> None:
 
 
 def _first_lines(handle, head: bytes) -> list[tuple[int, str]]:
-    """The first LINES_CHECKED non-empty lines (number, text), reading past `head` only to finish them."""
-    data = head
-    while data.count(b"\n") < LINES_CHECKED:
+    """The first LINES_CHECKED non-empty complete lines as (number, text), reading past `head` only
+    as far as needed to complete them."""
+    data, at_end = head, False
+    while True:
+        *complete, rest = data.split(b"\n")  # `rest` follows the last newline: partial unless at the end
+        if at_end and rest.strip():
+            complete.append(rest)
+        lines = [(number, line) for number, line in enumerate(complete, 1) if line.strip()]
+        if len(lines) >= LINES_CHECKED or at_end:
+            return [(number, line.decode("utf-8", errors="replace")) for number, line in lines[:LINES_CHECKED]]
         more = handle.read(TEXT_BYTES_CHECKED)
-        if not more:
-            break
+        at_end = not more
         data += more
-    lines = []
-    for number, line in enumerate(data.split(b"\n"), 1):
-        if line.strip():
-            lines.append((number, line.decode("utf-8", errors="replace")))
-        if len(lines) == LINES_CHECKED:
-            break
-    return lines
 
 
 def _check_titan_dataset(name: str) -> None:

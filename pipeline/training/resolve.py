@@ -55,7 +55,7 @@ def resolve(request: RunRequest) -> RunSpec:
     else:
         source_dir = home.source_dir(request.revision)
         arch = hf_dir.validate(source_dir).arch
-    data = dataset.resolve(cfg.dataset, home.data_file, check_local=not request.dry_run)
+    data = dataset.resolve(cfg.dataset, home.data_file, check_local=not request.dry_run, model=request.model)
     spec = RunSpec(
         model=request.model, model_key=home.source.key, path=path.name, target=target.name,
         source_dir=str(source_dir), run_dir=str(home.run(path.name).path), arch=arch, settings=cfg,
