@@ -24,9 +24,9 @@ STEPS|config|training steps
 SEQ_LEN|config|sequence length
 NPROC|config|ranks per node
 CONFIG||your config file, layered over configs/<TARGET>.toml key by key
-DATASET|config|local (the model's data/train.jsonl), a .jsonl/.txt file, or a Hub dataset id
+DATASET|config|local (the model's data/train.jsonl), a .jsonl/.txt file, a torchtitan dataset (c4) or a Hub dataset id
 REVISION|configs/models.toml|Hub revision (commit) to download and train from
-TITAN_ARGS||torchtitan flags over the built config, e.g. "--training.steps 5 --optimizer.lr 3e-4"
+TITAN_ARGS||torchtitan flags over the built config, e.g. "--training.steps 5 --lr-scheduler.warmup-steps 1" (--help lists them)
 DRY_RUN|0|1: resolve and print the run and its torchrun command, launch nothing
 FRESH|0|1: discard the run's checkpoints instead of resuming
 FORCE|0|1: replace an existing download or export
@@ -58,10 +58,12 @@ $(foreach v,$(BOOL_VARS),$(if $(filter-out 1 0 true false yes no,$($(v))),$(erro
 on = $(filter 1 true yes,$($(1)))
 
 PY := $(VENV)/bin/python
+# Where the stages keep models and runs (the stages read PIPELINE_CHECKPOINTS too); clean/distclean act there.
+CHECKPOINTS := $(or $(PIPELINE_CHECKPOINTS),checkpoints)
 TRAIN_FLAGS = --model $(MODEL) $(if $(TARGET),--target $(TARGET)) $(if $(STEPS),--steps $(STEPS)) \
               $(if $(SEQ_LEN),--seq-len $(SEQ_LEN)) $(if $(NPROC),--nproc-per-node $(NPROC)) \
               $(if $(CONFIG),--config $(CONFIG)) $(if $(DATASET),--dataset $(DATASET)) \
-              $(if $(REVISION),--revision $(REVISION)) $(if $(TITAN_ARGS),--titan-args '$(subst ','\'',$(TITAN_ARGS))') \
+              $(if $(REVISION),--revision $(REVISION)) $(if $(TITAN_ARGS),--titan-args='$(subst ','\'',$(TITAN_ARGS))') \
               $(if $(call on,DRY_RUN),--dry-run) $(if $(call on,FRESH),--fresh)
 HOST_PIPE := $(PY) -m pipeline
 # IN_CONTAINER=1: every stage runs inside the image (IMAGE, default the lock-derived tag) through
@@ -127,7 +129,7 @@ image: setup ## build the container image (Docker SDK), tag from the lock's hash
 	$(HOST_PIPE) image $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE))
 
 doctor: python-check ## what this host has vs what the pipeline needs (works before `make setup`)
-	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m pipeline doctor $(if $(TARGET),--target $(TARGET))
+	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m pipeline doctor --venv $(VENV) $(if $(TARGET),--target $(TARGET))
 
 launch-slurm: setup ## render an sbatch script for NODES trn2 nodes
 	$(HOST_PIPE) launch --scheduler slurm --nodes $(or $(NODES),2) --model $(MODEL) --path $(TRAIN_PATH)
@@ -151,8 +153,8 @@ bench: setup ## measure overhead, time to first step, scaling, export/verify, me
 	BENCH_REPEATS=$(BENCH_REPEATS) BENCH_ONLY=$(BENCH_ONLY) $(PY) bench/run.py
 
 clean: ## remove every run, report and data under checkpoints/ (keeps downloaded weights and .venv)
-	find checkpoints -mindepth 2 -maxdepth 2 \( -name runs -o -name data -o -name report -o -name launch \) -exec rm -rf {} +
+	test ! -d $(CHECKPOINTS) || find $(CHECKPOINTS) -mindepth 2 -maxdepth 2 \( -name runs -o -name data -o -name report -o -name launch \) -exec rm -rf {} +
 
 distclean: ## remove everything: all of checkpoints/ (downloads too) and .venv
-	find checkpoints -mindepth 1 -maxdepth 1 ! -name README.md -exec rm -rf {} +
+	test ! -d $(CHECKPOINTS) || find $(CHECKPOINTS) -mindepth 1 -maxdepth 1 ! -name README.md -exec rm -rf {} +
 	rm -rf $(VENV)

@@ -28,7 +28,9 @@ class RunSpec:
     run_dir: str
     arch: Qwen3Arch
     settings: TrainSettings
-    dataset: str = "local"  # torchtitan dataset name, or "local" for data_file
+    # settings.dataset (DATASET=) resolved: file | titan | hub, and the file read for kind file
+    # (pipeline.training.dataset)
+    data_kind: str = "file"
     data_file: str | None = None
     peak_flops_per_rank: float | None = None
     overrides: list = field(default_factory=list)  # torchtitan override.imports entries

@@ -127,19 +127,20 @@ class ModelHome:
         if record.get("kind") != self.source.kind or record.get("model") not in (self.source.model, None):
             raise PipelineError(f"{self.source_record} records {record.get('kind')} {record.get('model')!r}, "
                                 f"not {self.source.kind} {self.source.model!r}.", f"run `{hint}` again.")
+        check_revision_applies(self.source, revision)
         if revision and record.get("revision") != revision and record.get("commit") != revision:
             raise PipelineError(f"{self.source.model} was downloaded at revision {record.get('revision')!r}, "
                                 f"REVISION={revision!r} was asked for.", f"run `{hint}` first.")
         if self.source.kind != "hub":
             return self.local_source
-        from huggingface_hub import snapshot_download
+        from huggingface_hub import constants, snapshot_download
         from huggingface_hub.errors import LocalEntryNotFoundError
 
         try:
             return Path(snapshot_download(self.source.repo_id, revision=record["commit"], local_files_only=True))
         except LocalEntryNotFoundError as err:
             raise PipelineError(f"{self.source.repo_id}@{record['commit']} is no longer in the Hugging Face cache "
-                                f"(HF_HOME={os.environ.get('HF_HOME', '~/.cache/huggingface')}).",
+                                f"({constants.HF_HUB_CACHE}).",
                                 f"run `{hint}` again.") from err
 
 
@@ -147,6 +148,12 @@ def config_only(source: Source) -> PipelineError:
     return PipelineError(f"MODEL={source.model!r} is only a config.json in {HUB_CONFIGS} (no weights): it can be "
                          "dry-run, not downloaded or trained.",
                          "add DRY_RUN=1, or give a Hub id (org/name) or a checkpoint directory.")
+
+
+def check_revision_applies(source: Source, revision: str | None) -> None:
+    if revision and source.kind != "hub":
+        raise PipelineError(f"REVISION={revision!r} applies to Hub models; {source.model!r} is {source.kind}.",
+                            "drop REVISION.")
 
 
 def home(model: str, root: Path | None = None) -> ModelHome:

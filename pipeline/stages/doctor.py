@@ -2,21 +2,31 @@
 
 Each row is ok, warn (missing but not needed for the resolved target) or FAIL (missing and
 needed). Exits non-zero when any row fails. Reads only; never prints a token's value.
+Runs before `make setup`, under a bare system Python: the standard library only (the Docker
+engine is asked over its socket, not through the SDK). The packages checked are those of the
+environment the stages run in — the project venv when it exists — read with importlib.metadata.
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
+import http.client
+import importlib.util
+import json
 import os
+import platform
 import re
 import shutil
+import socket
+import sys
+import sysconfig
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from pipeline.run import store, targets
 from pipeline.errors import PipelineError
+from pipeline.run import store, targets
 
 # trn2.48xlarge
 NEURON_DEVICES = 16
@@ -75,19 +85,64 @@ def check_efa(host: Host, target: str) -> Check:
     return Check("EFA", f"{EFA_DEVICES} for multi-node trn2", found, _status(len(devices) >= EFA_DEVICES, False))
 
 
-def check_docker() -> Check:
-    try:
-        import docker
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, socket_path: str, timeout: float):
+        super().__init__("localhost", timeout=timeout)
+        self.socket_path = socket_path
 
-        engine = docker.from_env(timeout=5)
-        version = engine.version()
-        found = f"{version.get('Version', '?')} (API {version.get('ApiVersion', '?')})"
-        good = True
-    except Exception as err:  # noqa: BLE001 - whatever the reason, the answer is "no engine"
-        found, good = f"not reachable ({type(err).__name__})", False
-    where = os.environ.get("DOCKER_HOST", "/var/run/docker.sock")
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.socket_path)
+
+
+def docker_version(docker_host: str, timeout: float = 5.0) -> dict:
+    """GET /version of the Docker Engine API at DOCKER_HOST (unix:// or tcp://, no TLS)."""
+    scheme, _, rest = docker_host.partition("://")
+    if scheme == "unix":
+        connection = _UnixHTTPConnection(rest, timeout)
+    elif scheme in ("tcp", "http"):
+        connection = http.client.HTTPConnection(rest, timeout=timeout)
+    else:
+        raise ValueError(f"{scheme}:// endpoints are not probed")
+    try:
+        connection.request("GET", "/version")
+        response = connection.getresponse()
+        if response.status != 200:
+            raise ConnectionError(f"HTTP {response.status}")
+        return json.loads(response.read())
+    finally:
+        connection.close()
+
+
+def check_docker() -> Check:
+    where = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
+    try:
+        version = docker_version(where)
+        found, good = f"{version.get('Version', '?')} (API {version.get('ApiVersion', '?')})", True
+    except (OSError, ValueError, http.client.HTTPException) as err:  # whatever the reason: no engine to use
+        found, good = f"not reachable ({type(err).__name__}: {getattr(err, 'strerror', None) or err})", False
     # Needed for `make image` and IN_CONTAINER=1 only.
     return Check("Docker engine", f"reachable at {where} for image/IN_CONTAINER", found, _status(good, False))
+
+
+def check_python() -> Check:
+    """The interpreter `make setup` builds .venv with (the Makefile's PYTHON) or the one running here."""
+    tools = [m for m in ("venv", "ensurepip") if importlib.util.find_spec(m) is None]
+    good = sys.version_info >= (3, 11) and not tools
+    found = f"{platform.python_version()} ({sys.executable})" + (f"; no {'/'.join(tools)} module" if tools else "")
+    return Check("Python", "3.11 or newer with venv and ensurepip", found, _status(good, True))
+
+
+def check_compiler(target: str) -> Check:
+    # torchtitan compiles its block-mask creation even with compile off, so torch needs a C++ compiler
+    # and Python's headers at run time (docs/design.md; torchtitan-on-cpu notes). The trn2 image has its own.
+    compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+    headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    missing = [name for name, there in (("C++ compiler", compiler), (str(headers), headers.exists())) if not there]
+    found = f"{compiler}, {headers.name} present" if not missing else f"missing: {', '.join(missing)}"
+    return Check("C++ compiler, Python headers", "g++ and Python.h (torch compiles masks at run time)", found,
+                 _status(not missing, target != "trn2"))
 
 
 def check_disk(target: str) -> Check:
@@ -110,44 +165,104 @@ def check_hf_token(host: Host, model_is_hub: bool) -> Check:
     return Check("HF token", "optional (rate limits) for Hub models", found, _status(found != "absent", False))
 
 
+@dataclass(frozen=True)
+class Environment:
+    """Where the stages' Python packages live: a venv's site-packages, or this interpreter's sys.path."""
+
+    description: str
+    paths: tuple[str, ...] | None = None  # None: sys.path
+
+    def installed(self) -> dict[str, str]:
+        """canonical name → version (PEP 503 names, as pip compares them)."""
+        found = {}
+        for dist in metadata.distributions(**({} if self.paths is None else {"path": list(self.paths)})):
+            name = dist.metadata["Name"]
+            if name:
+                found.setdefault(_canonical(name), dist.version)
+        return found
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def environment(venv: Path | None) -> Environment | None:
+    """The project venv when it exists; else this interpreter when it is itself a venv (the image's, a
+    user's own); else None: before `make setup` there is no environment to check yet."""
+    if venv is not None and (Path(venv) / "pyvenv.cfg").exists():
+        sites = sorted(str(p) for p in Path(venv).glob("lib/python3*/site-packages"))
+        return Environment(f"{venv}", tuple(sites))
+    if sys.prefix != sys.base_prefix:
+        return Environment(f"{sys.prefix} (this interpreter)")
+    return None
+
+
 def _pin_matches(pin: str, installed: str) -> bool:
-    if pin.endswith(".*"):
-        return installed == pin[:-2] or installed.startswith(pin[:-1])
-    return installed == pin or installed.split("+")[0] == pin  # a local build (+cpu) of the pinned release
+    """PEP 440 `==pin` (wildcards, and a local build such as +cpu of the pinned release)."""
+    from packaging.specifiers import SpecifierSet
+
+    return SpecifierSet(f"=={pin}").contains(installed, prereleases=True)
 
 
-def check_packages(lock: Path) -> list[Check]:
+def _requirements(lock: Path) -> list:
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    requirements = []
+    for number, line in enumerate(lock.read_text().splitlines(), 1):
+        text = line.split(" #", 1)[0].strip()
+        if not text or text.startswith(("#", "-")):
+            continue
+        try:
+            requirements.append(Requirement(text))
+        except InvalidRequirement as err:
+            raise PipelineError(f"{lock}:{number} is not a requirement ({err}).", "fix the lock line.") from err
+    return requirements
+
+
+def check_packages(lock: Path, env: Environment | None = Environment("this interpreter")) -> list[Check]:
+    """One row per lock line against `env`'s installed distributions."""
     if not lock.exists():
         raise PipelineError(f"lock file {lock} does not exist.", "pass --lock with an existing lock file.")
+    installed = env.installed()
     rows = []
-    for line in lock.read_text().splitlines():
-        match = re.match(r"^\s*([A-Za-z0-9._-]+)\s*(==\s*([^\s;#]+)|@\s*(\S+))", line)
-        if not match:
-            continue
-        name, pin, url = match.group(1), match.group(3), match.group(4)
-        try:
-            installed = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            installed = None
-        want = pin or url
-        good = installed is not None and (pin is None or _pin_matches(pin, installed))
-        rows.append(Check(f"python: {name}", want, installed or "missing", _status(good, True)))
+    for requirement in _requirements(lock):
+        version = installed.get(_canonical(requirement.name))
+        good = version is not None and (requirement.url is not None or
+                                        requirement.specifier.contains(version, prereleases=True))
+        want = str(requirement.specifier).removeprefix("==") or requirement.url or "any"
+        rows.append(Check(f"python: {requirement.name}", want, version or "missing", _status(good, True)))
     return rows
+
+
+def package_rows(lock: Path, env: Environment | None, packages: str) -> list[Check]:
+    title = f"Python packages ({lock.name})"
+    if env is None:
+        pins = sum(1 for line in lock.read_text().splitlines() if line.strip() and not line.lstrip().startswith("#"))
+        return [Check(title, f"{pins} pins", "no project venv yet: `make setup` installs them", "warn")]
+    if importlib.util.find_spec("packaging") is None:
+        # Only a bare system Python lacks it (every environment the stages run in has it, through
+        # transformers); the lock is not half-parsed by hand: the rows say how to get them compared.
+        return [Check(title, "compared with `packaging`", f"not compared: {sys.executable} has no `packaging`; "
+                      f"run {env.description}/bin/python -m pipeline doctor", "warn")]
+    rows = check_packages(lock, env)
+    bad = [r for r in rows if r.status != "ok"]
+    summary = Check(title, f"{len(rows)} pins in {env.description}", f"{len(rows) - len(bad)} match, {len(bad)} differ",
+                    "ok" if not bad else "FAIL")
+    return [summary, *(rows if packages == "all" else bad)]
 
 
 def default_lock(target: str) -> Path:
     return store.REPO / ("requirements.lock" if target == "trn2" else "requirements-dev.lock")
 
 
-def checks(target: str, lock: Path, host: Host = Host(), packages: str = "problems") -> list[Check]:
-    rows = [check_neuron_devices(host, target), check_neuron_driver(host, target), check_lnc(target),
-            check_efa(host, target), check_docker(), check_disk(target), check_hf_token(host, True)]
-    package_rows = check_packages(lock)
-    bad = [r for r in package_rows if r.status != "ok"]
-    rows.append(Check(f"Python packages ({lock.name})", f"{len(package_rows)} pins",
-                      f"{len(package_rows) - len(bad)} match, {len(bad)} differ", "ok" if not bad else "FAIL"))
-    rows += package_rows if packages == "all" else bad
-    return rows
+def checks(target: str, lock: Path, host: Host = Host(), packages: str = "problems",
+           venv: Path | None = store.REPO / ".venv") -> list[Check]:
+    rows = [check_python(), check_compiler(target), check_neuron_devices(host, target),
+            check_neuron_driver(host, target), check_lnc(target), check_efa(host, target), check_docker(),
+            check_disk(target), check_hf_token(host, True)]
+    if not lock.exists():
+        raise PipelineError(f"lock file {lock} does not exist.", "pass --lock with an existing lock file.")
+    return rows + package_rows(lock, environment(venv), packages)
 
 
 def table(rows: list[Check]) -> str:
@@ -164,11 +279,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lock", type=Path, help="lock to compare against (default: requirements.lock on trn2, "
                                                     "requirements-dev.lock elsewhere)")
     parser.add_argument("--all-packages", action="store_true", help="list every pin, not only the ones that differ")
+    parser.add_argument("--venv", type=Path, default=store.REPO / ".venv",
+                        help="the environment the stages run in (default: the project's .venv)")
 
 
 def run(args: argparse.Namespace) -> list[Check]:
     target = targets.resolve(args.target).name
-    rows = checks(target, args.lock or default_lock(target), packages="all" if args.all_packages else "problems")
+    rows = checks(target, args.lock or default_lock(target), packages="all" if args.all_packages else "problems",
+                  venv=getattr(args, "venv", store.REPO / ".venv"))  # callers that build args by hand may omit it
     print(f"target: {target}")
     print(table(rows))
     failed = [r.name for r in rows if r.status == "FAIL"]

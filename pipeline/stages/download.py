@@ -52,8 +52,8 @@ def run(args: argparse.Namespace) -> Path:
         hf_dir.validate(Path(home.source.path))  # a broken source leaves nothing behind
     # Fail on an unwritable checkpoints root now, not after minutes of work.
     home.dir.mkdir(parents=True, exist_ok=True)
-    if home.source_record.exists():
-        home.source_record.unlink()  # not downloaded until the new one is complete
+    if kind != "hub" and home.source_record.exists():
+        home.source_record.unlink()  # source/ is about to be replaced: not downloaded until it is complete
     if kind == "embedded":
         with atomic_directory(home.local_source, replace=True) as tmp:
             provenance = embedded.bootstrap(args.model, tmp)
@@ -78,18 +78,18 @@ def run(args: argparse.Namespace) -> Path:
 
 
 def _revision(source: store.Source, asked: str | None) -> str | None:
+    store.check_revision_applies(source, asked)
     if source.kind != "hub":
-        if asked:
-            raise PipelineError(f"REVISION={asked!r} applies to Hub models; {source.model!r} is {source.kind}.",
-                                "drop REVISION.")
         return None
     return asked or known_models().get(source.repo_id, {}).get("revision")
 
 
 def _download_hub(repo_id: str, revision: str) -> str:
-    """snapshot_download into the HF cache; returns the commit the revision resolved to."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
+    """snapshot_download into the HF cache; returns the commit the revision resolved to. A failure
+    leaves the previous download (and its source.json) as it was."""
+    import httpx
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError, OfflineModeIsEnabled
 
     if revision == "main":
         print(f"warning: {repo_id} is not pinned to a commit (revision 'main'); pin it in configs/models.toml "
@@ -98,9 +98,12 @@ def _download_hub(repo_id: str, revision: str) -> str:
           f"({'with' if os.environ.get('HF_TOKEN') else 'without'} HF_TOKEN) …", flush=True)
     try:
         folder = snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS)
-    except LocalEntryNotFoundError as err:
-        raise PipelineError(f"{repo_id}@{revision} is not in the Hugging Face cache and the Hub cannot be reached "
-                            "(HF_HUB_OFFLINE, or no network).",
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled, httpx.TransportError) as err:
+        # huggingface_hub answers from the cache when it can; this revision is not there (offline mode
+        # raises OfflineModeIsEnabled for a commit it has not seen, a missing network httpx's ConnectError).
+        why = "HF_HUB_OFFLINE is set" if os.environ.get("HF_HUB_OFFLINE") else f"{type(err).__name__}: no network?"
+        raise PipelineError(f"{repo_id}@{revision} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) "
+                            f"and the Hub cannot be reached ({why}).",
                             "run once with network access, or give MODEL as a local directory.") from err
     except HFValidationError as err:
         raise PipelineError(f"MODEL={repo_id!r} is not a valid Hub id.", "give it as org/name, e.g. Qwen/Qwen3-0.6B.") from err

@@ -34,16 +34,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int)
     parser.add_argument("--nproc-per-node", type=int)
     parser.add_argument("--config", type=Path, help="your config file, layered over configs/<target>.toml key by key")
+    parser.add_argument("--dataset", help="local (the model's data/train.jsonl), a .jsonl/.txt file, a torchtitan "
+                        "dataset (c4, c4_test) or a Hub dataset id org/name (default: the config's)")
     parser.add_argument("--revision", help="the Hub revision the run must start from (as downloaded)")
-    parser.add_argument("--titan-args", default="", help="torchtitan flags applied over the built config, "
-                        "e.g. '--training.steps 5 --optimizer.lr 3e-4'")
+    parser.add_argument("--titan-args", default="", help="torchtitan flags applied over the built config, e.g. "
+                        "--titan-args='--training.steps 5 --lr-scheduler.warmup-steps 1' ('--help' lists them)")
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--fresh", action="store_true", help="discard this run's checkpoints instead of resuming")
 
 
 def request(args: argparse.Namespace) -> RunRequest:
     return RunRequest(model=args.model, path=args.path, target=args.target, config=args.config, steps=args.steps,
-                      seq_len=args.seq_len, nproc_per_node=args.nproc_per_node, revision=args.revision,
+                      seq_len=args.seq_len, nproc_per_node=args.nproc_per_node, dataset=args.dataset,
+                      revision=args.revision,
                       titan_args=tuple(shlex.split(args.titan_args)), dry_run=args.dry_run)
 
 

@@ -44,6 +44,8 @@ EXPORT_LOSS_TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
 # |logged − plain transformers| for the source, by training precision.
 LOGGED_LOSS_TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
 FALLBACK_TOKENS = 128
+# Comparing tensors reads every byte of both checkpoints: a progress bar from this size on.
+PROGRESS_MIN_BYTES = 1 << 30
 
 
 @dataclass
@@ -73,7 +75,9 @@ class Verification:
     step1_loss: dict = field(default_factory=lambda: {"export": None, "logged": None, "reference": None})
 
     def add(self, name: str, passed: bool, detail: str) -> bool:
+        """Record a check and print it at once: a big checkpoint's verify takes minutes."""
         self.checks.append(Check(name, bool(passed), detail))
+        print(f"  {name}: {'pass' if passed else 'FAIL'}  {detail}", flush=True)
         return bool(passed)
 
     @property
@@ -133,6 +137,7 @@ def verify(checkpoint: Path, reference: Path, run_dir: RunDir | None, output: Pa
     # One progress bar per from_pretrained would bury the table and the one-line error.
     transformers.utils.logging.disable_progress_bar()
     result = Verification(checkpoint, reference, run_dir, output)
+    print(f"verifying {checkpoint} against {reference} …", flush=True)
     try:
         _run_checks(result)
     finally:
@@ -226,11 +231,16 @@ def _open_all(directory: Path):
 
 def _check_tensors(result: Verification, report, step: int | None) -> None:
     import torch
+    from tqdm import tqdm
 
     ours, theirs = _open_all(result.checkpoint), _open_all(result.reference)
     nonfinite, changed, unequal, total = [], [], [], 0
+    size = sum(shard.stat().st_size for shard in hf_dir.shard_files(result.checkpoint))
+    bar = tqdm(total=size, unit="B", unit_scale=True, desc="comparing tensors", leave=False,
+               disable=size < PROGRESS_MIN_BYTES)
     for key in sorted(set(ours) & set(theirs)):
         a = ours[key].get_tensor(key)
+        bar.update(a.numel() * a.element_size())
         if a.is_floating_point() and not bool(torch.isfinite(a).all()):
             nonfinite.append(key)
         b = theirs[key].get_tensor(key).to(a.dtype)
@@ -241,6 +251,7 @@ def _check_tensors(result: Verification, report, step: int | None) -> None:
         (unequal if not same_bits else []).append(key)
         if not same_bits:
             changed.append(key)
+    bar.close()
     result.add("finite", not nonfinite, "every tensor finite" if not nonfinite else f"NaN/Inf in {nonfinite[:5]}")
     if step == 0:
         result.add("round-trip", not unequal and total > 0,

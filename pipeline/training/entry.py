@@ -16,21 +16,9 @@ ENTERED = time.time()
 from pipeline.run import rundir
 from pipeline.run.spec import RunSpec
 from pipeline.titan import compat
+from pipeline.training import dataset
 
-LOCAL_DATASET = "pipeline_local"
 MEMORY_KIND = {"cpu": "peak RSS (CPU)", "cuda": "CUDA reserved", "trn2": "HBM reserved"}
-
-
-def _register_local_dataset(data_file: str) -> None:
-    from datasets import load_dataset
-    from torchtitan.hf_datasets import DatasetConfig
-    from torchtitan.hf_datasets.text_datasets import DATASETS
-
-    DATASETS[LOCAL_DATASET] = DatasetConfig(
-        path=data_file,
-        loader=lambda path: load_dataset("json", data_files=path, split="train"),
-        sample_processor=lambda sample: sample["text"],
-    )
 
 
 def _activation_checkpoint(kind: str):
@@ -52,8 +40,7 @@ def build_config(spec: RunSpec):
 
     s = spec.settings
     run_dir = Path(spec.run_dir)
-    if spec.dataset == "local":
-        _register_local_dataset(spec.data_file)
+    dataset_name = dataset.register(dataset.DataSource(spec.data_kind, s.dataset, spec.data_file))
     model_spec = registry.get(spec.path).build(spec)
     config = PipelineTrainer.Config(
         run_dir=str(run_dir),
@@ -70,7 +57,7 @@ def build_config(spec: RunSpec):
             disable_color_printing=True,
         ),
         dataloader=HuggingFaceTextDataLoader.Config(
-            dataset=LOCAL_DATASET if spec.dataset == "local" else spec.dataset, infinite=True
+            dataset=dataset_name, infinite=True
         ),
         optimizer=default_adamw(lr=s.lr, weight_decay=0.0),
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=s.warmup_steps, decay_type="linear"),

@@ -17,6 +17,7 @@ from pipeline.models import registry
 from pipeline.run import settings as settings_mod
 from pipeline.run import store, targets
 from pipeline.run.spec import RunSpec
+from pipeline.training import dataset
 
 HUB_CONFIGS = store.HUB_CONFIGS
 
@@ -33,6 +34,7 @@ class RunRequest:
     seq_len: int | None = None
     nproc_per_node: int | None = None
     nnodes: int | None = None
+    dataset: str | None = None  # DATASET=, over the config's `dataset`
     revision: str | None = None
     titan_args: tuple[str, ...] = ()
     dry_run: bool = False
@@ -44,26 +46,37 @@ def resolve(request: RunRequest) -> RunSpec:
     target = targets.resolve(request.target)
     cfg = settings_mod.load(target.name, path.name, registry.names(), request.config)
     cfg = settings_mod.with_flags(cfg, steps=request.steps, seq_len=request.seq_len,
-                                  nproc_per_node=request.nproc_per_node, nnodes=request.nnodes)
+                                  nproc_per_node=request.nproc_per_node, nnodes=request.nnodes,
+                                  dataset=request.dataset)
     home = store.home(request.model, request.checkpoints_root)
+    store.check_revision_applies(home.source, request.revision)
     if request.dry_run and not home.is_downloaded():
         arch, source_dir = arch_without_download(home.source), home.local_source
     else:
         source_dir = home.source_dir(request.revision)
         arch = hf_dir.validate(source_dir).arch
-    if cfg.dataset == "local" and not request.dry_run and not home.data_file.exists():
-        raise PipelineError(f"{home.data_file} does not exist.", f"run `make data MODEL={request.model}` first.")
+    data = dataset.resolve(cfg.dataset, home.data_file, check_local=not request.dry_run, model=request.model)
     spec = RunSpec(
         model=request.model, model_key=home.source.key, path=path.name, target=target.name,
         source_dir=str(source_dir), run_dir=str(home.run(path.name).path), arch=arch, settings=cfg,
-        dataset=cfg.dataset, data_file=str(home.data_file) if cfg.dataset == "local" else None,
+        data_kind=data.kind, data_file=data.file,
         peak_flops_per_rank=target.peak_flops_per_rank(cfg.lnc),
         overrides=list(path.overrides(target.name, cfg)), titan_args=list(request.titan_args),
     )
     check_parallelism(spec)
     if path.prepare is not None:
         path.prepare(spec)
+    if spec.titan_args:
+        check_titan_args(spec)
     return spec
+
+
+def check_titan_args(spec: RunSpec) -> None:
+    """TITAN_ARGS parsed over the very config the ranks will build, before any rank starts (this
+    imports torchtitan into the launcher, which only a run with TITAN_ARGS pays for)."""
+    from pipeline.training import entry
+
+    entry.build_config(spec)
 
 
 def arch_without_download(source: store.Source) -> Qwen3Arch:

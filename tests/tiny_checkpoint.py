@@ -1,0 +1,66 @@
+"""Shared by the test files that train: one embedded `tiny` (downloaded = made, with its data) per
+session, and `python -m pipeline` run as a user runs it. Test files load it with
+`pytest_plugins = ["tiny_checkpoint"]`. (PYTEST_DONT_REWRITE: its asserts carry their own messages.)"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+# vocab-151936 logits: glibc's default mmap threshold makes CPU runs spend most of their time in the kernel.
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "4294967296"}
+
+
+def pipeline_cli(*args: str, root: Path, env: dict | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
+    """`python -m pipeline …` with checkpoints under `root`; never raises on a non-zero exit."""
+    full_env = {**os.environ, **MALLOC_ENV, "PIPELINE_CHECKPOINTS": str(root), **(env or {})}
+    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=REPO, env=full_env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return result
+
+
+def one_error_line(result: subprocess.CompletedProcess) -> str:
+    """The user-facing refusal: exit 2, no traceback, one `error: … Fix: …` line."""
+    assert result.returncode == 2, f"exit {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Fix:" in lines[0], result.stderr
+    return lines[0]
+
+
+def small_random_checkpoint(directory: Path) -> Path:
+    """A one-layer random Qwen3 written by transformers, with the real Qwen3 tokenizer: an HF
+    directory every stage accepts, made in seconds (no pretraining, so its loss is ~ln(vocab))."""
+    import shutil
+
+    import torch
+    import transformers
+
+    from pipeline.checkpoint.embedded import TOKENIZER_FILES, tokenizer_dir
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                      tie_word_embeddings=True, dtype="float32")
+    transformers.Qwen3ForCausalLM(config).save_pretrained(str(directory))
+    for name in TOKENIZER_FILES:
+        shutil.copy2(tokenizer_dir() / name, Path(directory) / name)
+    return Path(directory)
+
+
+@pytest.fixture(scope="session")
+def tiny_root(tmp_path_factory) -> Path:
+    """A checkpoints root holding the embedded tiny and its data (data/train.jsonl)."""
+    root = tmp_path_factory.mktemp("tiny-checkpoints")
+    ok(pipeline_cli("download", "--model", "tiny", root=root))
+    ok(pipeline_cli("data", "--model", "tiny", root=root))
+    return root
