@@ -48,6 +48,9 @@ class JsonlMetricsProcessor(MetricsProcessor):
         jsonl_path: str = ""
         peak_flops_per_rank: float = 0.0
         memory_kind: str = "device"
+        flops_per_token: int = 0
+        """Qwen3Arch.flops_per_token(seq_len): the same count whatever path implements the model
+        (0: the model config's own get_nparams_and_flops)."""
 
     def __init__(self, config: Config, **kwargs):
         super().__init__(config, **kwargs)
@@ -55,19 +58,31 @@ class JsonlMetricsProcessor(MetricsProcessor):
         self.is_writer = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
         self.world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
+    def throughput(self, elapsed: float) -> tuple[float, float]:
+        """(tokens/s of the whole job, tokens/s per rank). ntokens_since_last_log is this rank's own
+        batch, which every rank of its TP/CP/PP group shares: per rank it is divided by the non-data-
+        parallel size, exactly as torchtitan's MetricsProcessor.log computes `tps`; the job's rate is
+        that per-rank rate times the world size (= this rank's tokens × data-parallel ranks / s)."""
+        per_rank = self.ntokens_since_last_log / (elapsed * self.parallel_dims.non_data_parallel_size)
+        return per_rank * self.world_size, per_rank
+
     def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
         elapsed = time.perf_counter() - self.time_last_log
-        tokens_per_rank = self.ntokens_since_last_log / self.parallel_dims.non_data_parallel_size
         memory = self.device_memory_monitor.get_peak_stats()
-        tps_rank = tokens_per_rank / elapsed
+        tokens_per_s, tps_rank = self.throughput(elapsed)
+        if self.config.flops_per_token:
+            # torchtitan's own console/TensorBoard MFU (super().log) then uses the same count.
+            self.num_flops_per_token = self.config.flops_per_token
+        flops_per_token = self.num_flops_per_token
         record = {
             "step": step,
             "loss": global_avg_loss,
             "grad_norm": grad_norm,
             "step_time_s": elapsed / self.config.log_freq,
-            "tokens_per_s": tps_rank * self.world_size / self.parallel_dims.non_data_parallel_size,
+            "tokens_per_s": tokens_per_s,
             "tokens_per_s_per_rank": tps_rank,
-            "mfu": 100 * self.num_flops_per_token * tps_rank / self.gpu_peak_flops,
+            "mfu": 100 * flops_per_token * tps_rank / self.gpu_peak_flops,
+            "flops_per_token": flops_per_token,
             "peak_flops_per_rank": self.gpu_peak_flops,
             "memory_gib": memory.max_reserved_gib,
             "memory_kind": self.config.memory_kind,
