@@ -35,8 +35,8 @@ LABEL org.opencontainers.image.title="qwen3-pipeline" \
       pipeline.torch="2.14"
 SHELL ["/bin/sh", "-eu", "-c"]
 COPY --from=install /opt/pipeline-venv /opt/pipeline-venv
-# /checkpoints, /hf-cache and the Neuron compile cache (the path configs/targets set) are bind mounts at run time; they exist (and belong to
-# the user) so a run without a mount still works.
+# /checkpoints, /hf-cache and TorchNeuron's NEFF cache (TORCH_NEURONX_NEFF_CACHE_DIR, torch/reference/env-vars)
+# are bind mounts at run time; they exist (and belong to the user) so a run without a mount still works.
 RUN useradd --create-home --uid "${PIPELINE_UID}" --shell /bin/sh pipeline \
     && mkdir -p /checkpoints /hf-cache /var/tmp/neuron-compile-cache \
     && chown pipeline:pipeline /checkpoints /hf-cache /var/tmp/neuron-compile-cache \
@@ -51,7 +51,7 @@ ENV PATH=/opt/pipeline-venv/bin:${PATH} \
     HOME=/home/pipeline \
     PIPELINE_CHECKPOINTS=/checkpoints \
     HF_HOME=/hf-cache \
-    NEURON_COMPILE_CACHE_URL=/var/tmp/neuron-compile-cache \
+    TORCH_NEURONX_NEFF_CACHE_DIR=/var/tmp/neuron-compile-cache \
     PYTHONUNBUFFERED=1
 USER ${PIPELINE_UID}
 WORKDIR /opt/pipeline

@@ -23,13 +23,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.errors import PipelineError
-from pipeline.run import store
+from pipeline.run import store, targets
 from pipeline.run.image import default_tag, lock_sha256
 
 DEFAULT_BASE_IMAGE = "public.ecr.aws/neuron/pytorch-training-neuronx:2.14.0-neuronx-py314-sdk2.33.0-ubuntu26.04"
 IMAGE_CHECKPOINTS = "/checkpoints"
 IMAGE_HF_CACHE = "/hf-cache"
-IMAGE_COMPILE_CACHE = "/var/tmp/neuron-compile-cache"  # what targets.TARGETS["trn2"] points the compiler at
+# Where the image's TorchNeuron finds its NEFF cache (the Dockerfile's TORCH_NEURONX_NEFF_CACHE_DIR); the
+# host's persistent cache is bind-mounted there so a second run with the same shapes does not recompile.
+IMAGE_COMPILE_CACHE = targets.DEFAULT_NEFF_CACHE
 IMAGE_UID = 1000
 
 
@@ -197,6 +199,7 @@ def run_in_image(request: ContainerRun, engine=None) -> int:
                str(request.compile_cache): {"bind": IMAGE_COMPILE_CACHE, "mode": "rw"}}
     # Only the name is ever printed; the value goes to the engine and nowhere else.
     environment = {k: os.environ[k] for k in ("HF_TOKEN", "TARGET") if os.environ.get(k)}
+    environment[targets.NEFF_CACHE_ENV] = IMAGE_COMPILE_CACHE  # never a host path the container cannot see
     # The caller's own uid, so outputs on the mounts belong to them; root gets the image's user.
     user = None if os.geteuid() == 0 else f"{os.geteuid()}:{os.getegid()}"
     extra = {"cap_add": ["IPC_LOCK"], "ulimits": [_memlock_unlimited()]} if request.devices else {}

@@ -82,7 +82,7 @@ def run(args: argparse.Namespace):
     spec = resolve(request(args))
     target = targets.TARGETS[spec.target]
     command = torchrun.command(spec)
-    env_prefix = " ".join(f"{k}={v}" for k, v in target.env.items())
+    env_prefix = " ".join(f"{k}={v}" for k, v in target.launch_vars(dict(os.environ)).items())
     if args.dry_run:
         print(json.dumps(spec.to_dict(), indent=2))
         print("launch command:")
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace):
                     shutil.rmtree(item) if item.is_dir() and not item.is_symlink() else item.unlink()
         spec.save()
         print(f"launching {spec.path} on {spec.target}: {shlex.join(command)}", flush=True)
-        result = subprocess.run(command, env={**os.environ, **target.env, "PYTHONUNBUFFERED": "1"})
+        result = subprocess.run(command, env={**target.launch_env(dict(os.environ)), "PYTHONUNBUFFERED": "1"})
     if result.returncode != 0:
         raise PipelineError(_failure(result.returncode, run_dir), "read the first error in the rank logs above.")
     return spec

@@ -16,15 +16,13 @@ _applied: set[str] = set()
 
 
 def apply(target: str) -> None:
-    if target != "cpu" or "cpu" in _applied:
+    if target in _applied or target not in _GLUE:
         return
     if "torchtitan" in sys.modules:
-        raise RuntimeError("titan_glue.apply('cpu') must run before torchtitan is imported")
-    _select_cpu_device()
-    _cpu_memory_monitor()
-    _gloo_sum_reductions()
-    _cpu_barrier()
-    _applied.add("cpu")
+        raise RuntimeError(f"compat.apply({target!r}) must run before torchtitan is imported")
+    for glue in _GLUE[target]:
+        glue()
+    _applied.add(target)
 
 
 def _select_cpu_device() -> None:
@@ -115,3 +113,46 @@ def apply_titan_args(config, args: list[str]):
 
     ConfigManager()  # its __init__ registers torchtitan's rules (comma lists, override.imports) on the registry
     return tyro.cli(type(config), args=list(args), default=config, registry=custom_registry)
+
+
+class SynchronizedMemoryMonitor:
+    """torchtitan's DeviceMemoryMonitor with the device synchronized before every read or reset.
+
+    TorchNeuron executes asynchronously: "call torch.neuron.synchronize() before you read any memory
+    statistic" (torch/guides/memory-profiling-guide, shared/notes/neuron.md); read without it, the
+    peak lags behind the step it is logged for.
+    """
+
+    def __init__(self, inner, synchronize) -> None:
+        self._inner, self._synchronize = inner, synchronize
+
+    def get_peak_stats(self):
+        self._synchronize()
+        return self._inner.get_peak_stats()
+
+    def reset_peak_stats(self) -> None:
+        self._synchronize()
+        self._inner.reset_peak_stats()
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def _neuron_memory_monitor() -> None:
+    import torchtitan.components.metrics as metrics
+
+    build = metrics.build_device_memory_monitor
+
+    def synchronized_monitor():
+        import torch
+
+        return SynchronizedMemoryMonitor(build(), torch.neuron.synchronize)
+
+    metrics.build_device_memory_monitor = synchronized_monitor
+
+
+# What each target needs before torchtitan is imported (targets without an entry need nothing).
+_GLUE = {
+    "cpu": (_select_cpu_device, _cpu_memory_monitor, _gloo_sum_reductions, _cpu_barrier),
+    "trn2": (_neuron_memory_monitor,),
+}
