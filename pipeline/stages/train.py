@@ -22,6 +22,7 @@ from pipeline.errors import PipelineError
 from pipeline.models import registry
 from pipeline.run import targets
 from pipeline.run.rundir import RunDir
+from pipeline.titan import compat
 from pipeline.training import torchrun
 from pipeline.training.resolve import RunRequest, resolve
 
@@ -77,8 +78,11 @@ class RunLock:
 
 
 def run(args: argparse.Namespace):
+    target = targets.resolve(args.target)
     if not args.dry_run:
-        targets.check_launchable(targets.resolve(args.target))
+        targets.check_launchable(target)
+    # The ranks build torchtitan's internals: a torchtitan without them is refused here, in one line.
+    compat.check_torchtitan(target.name)
     spec = resolve(request(args))
     target = targets.TARGETS[spec.target]
     command = torchrun.command(spec)

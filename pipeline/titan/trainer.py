@@ -15,13 +15,14 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from torchtitan.components.checkpoint import MODEL, CheckpointManager
+from torchtitan.components.checkpoint import MODEL
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from pipeline.run import rundir
 from pipeline.run.rundir import RunDir
+from pipeline.titan import compat
 
 # Wall-clock marks (time.time()) of one rank's start-up, for the time-to-first-step benchmark:
 # training.entry sets entry/imported/built, the checkpointer sets loaded, step 1 writes the file.
@@ -101,30 +102,24 @@ class JsonlMetricsProcessor(MetricsProcessor):
                         json.dumps({**TIMINGS, "step1": record["time"]}) + "\n")
 
 
-class WeightsCheckpointManager(CheckpointManager):
+class WeightsCheckpointManager(compat.checkpoint_manager_base()):
     """torchtitan's DCP checkpointer that also writes step-N/model_weights.safetensors (see
     pipeline.run.rundir.WEIGHTS): renamed into place after DCP's .metadata, so a step with it is a
     complete checkpoint; a kill between the two is repaired when that step is resumed."""
 
     @dataclass(kw_only=True, slots=True)
-    class Config(CheckpointManager.Config):
+    class Config(compat.checkpoint_manager_base().Config):
         pass
 
-    def _save(self, curr_step: int, last_step: bool = False) -> bool:
-        saved = super()._save(curr_step, last_step)
-        if saved:
-            self._save_weights(curr_step)
-        return saved
+    def after_save(self, step: int) -> None:
+        self._save_weights(step)
 
-    def _load(self, step: int = -1) -> bool:
-        loaded = super()._load(step)
-        resumed = self._find_load_step() if step == -1 else step
-        if loaded and resumed >= 0 and not (Path(self._create_checkpoint_id(resumed)) / rundir.WEIGHTS).exists():
+    def after_load(self, step: int, loaded: bool) -> None:
+        if loaded and step >= 0 and not (Path(self.step_folder(step)) / rundir.WEIGHTS).exists():
             # Killed after DCP finished this step but before its weights file: the resumed
             # run may never save this step again (e.g. it was the last), so write it now.
-            self._save_weights(resumed)
+            self._save_weights(step)
         TIMINGS["loaded"] = time.time()
-        return loaded
 
     @torch.no_grad()
     def _save_weights(self, step: int) -> None:
@@ -142,7 +137,7 @@ class WeightsCheckpointManager(CheckpointManager):
             if rank0:
                 full[key] = value.detach().to("cpu", copy=True).contiguous()
         if rank0:
-            directory = Path(self._create_checkpoint_id(step))
+            directory = Path(self.step_folder(step))
             directory.mkdir(parents=True, exist_ok=True)
             tmp = directory / f".{rundir.WEIGHTS}.tmp"
             save_file(full, str(tmp), metadata={"format": "pt", "step": str(step), "keys": "torchtitan"})
