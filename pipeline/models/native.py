@@ -58,7 +58,7 @@ def model_config(arch: Qwen3Arch, attn_backend: str = "flex"):
     )
 
 
-def model_spec(arch: Qwen3Arch, name: str):
+def model_spec(arch: Qwen3Arch, name: str, attn_backend: str = "flex"):
     from torchtitan.components.optimizer import register_moe_load_balancing_hook
     from torchtitan.distributed.pipeline_parallel import pipeline_llm
     from torchtitan.models.qwen3 import Qwen3StateDictAdapter, parallelize_qwen3
@@ -67,7 +67,7 @@ def model_spec(arch: Qwen3Arch, name: str):
     return ModelSpec(
         name="qwen3",
         flavor=name,
-        model=model_config(arch),
+        model=model_config(arch, attn_backend),
         parallelize_fn=parallelize_qwen3,
         pipelining_fn=pipeline_llm,
         post_optimizer_build_fn=register_moe_load_balancing_hook if arch.is_moe else None,
