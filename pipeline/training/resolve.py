@@ -18,6 +18,7 @@ from pipeline.models import registry
 from pipeline.run import settings as settings_mod
 from pipeline.run import store, targets
 from pipeline.run.spec import RunSpec
+from pipeline.training import memory
 
 HUB_CONFIGS = settings_mod.CONFIG_DIR / "hub_configs"
 
@@ -63,6 +64,7 @@ def resolve(request: RunRequest) -> RunSpec:
     )
     check_parallelism(spec)
     check_device_choices(spec)
+    spec.memory = memory.check(spec.arch, spec.settings, spec.path, spec.target).to_dict()
     if path.prepare is not None:
         path.prepare(spec)
     return spec
