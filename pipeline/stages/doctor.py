@@ -1,22 +1,33 @@
-"""Stage `doctor`: a table of what the pipeline needs on this host and what it finds.
+"""Stage `doctor`: a table of what the pipeline needs and what it finds, where the stages will run.
 
-Each row is ok, warn (missing but not needed for the resolved target) or FAIL (missing and
-needed). Exits non-zero when any row fails. Reads only; never prints a token's value.
+Each row is ok, warn (missing but not needed for the resolved target, or not set up yet by a step
+that every stage runs first) or FAIL (missing and needed). Exits non-zero when any row fails.
+Host rows: Neuron devices and driver, LNC, EFA, Docker, disk, HF token. Package rows: of the host
+venv when the stages run there, or — with IN_CONTAINER=1 — of the pipeline image, checked inside it
+against the package set its build recorded, plus the torchtitan internals the pipeline uses. Works
+before `make setup` (standard library only until the Docker SDK is there). Never prints a token.
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 import re
 import shutil
-from dataclasses import dataclass
+import socket
+import sys
+from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
 
 from pipeline.run import store, targets
 from pipeline.errors import PipelineError
+
+# What the image's build recorded (Dockerfile: COPY --from=install /opt/pipeline-record/).
+IMAGE_RECORD = Path("/opt/pipeline/record")
+IMAGE_LOCK = Path("/opt/pipeline/requirements.lock")
 
 # trn2.48xlarge
 NEURON_DEVICES = 16
@@ -75,19 +86,35 @@ def check_efa(host: Host, target: str) -> Check:
     return Check("EFA", f"{EFA_DEVICES} for multi-node trn2", found, _status(len(devices) >= EFA_DEVICES, False))
 
 
-def check_docker() -> Check:
+def _ping_socket(path: str) -> bool:
+    """The engine's /_ping over its unix socket, with the standard library (before `make setup`)."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(5)
+            sock.connect(path)
+            sock.sendall(b"GET /_ping HTTP/1.0\r\nHost: docker\r\n\r\n")
+            return sock.recv(4096).split(b"\r\n", 1)[0].endswith(b"200 OK")
+    except OSError:
+        return False
+
+
+def check_docker(needed: bool = False) -> Check:
+    where = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
     try:
         import docker
-
-        engine = docker.from_env(timeout=5)
-        version = engine.version()
-        found = f"{version.get('Version', '?')} (API {version.get('ApiVersion', '?')})"
-        good = True
-    except Exception as err:  # noqa: BLE001 - whatever the reason, the answer is "no engine"
-        found, good = f"not reachable ({type(err).__name__})", False
-    where = os.environ.get("DOCKER_HOST", "/var/run/docker.sock")
-    # Needed for `make image` and IN_CONTAINER=1 only.
-    return Check("Docker engine", f"reachable at {where} for image/IN_CONTAINER", found, _status(good, False))
+    except ImportError:
+        path = where.removeprefix("unix://")
+        good = where.startswith("unix://") and _ping_socket(path)
+        found = "answers /_ping (Docker SDK not installed yet: make setup)" if good else "not reachable"
+    else:
+        try:
+            version = docker.from_env(timeout=5).version()
+            found, good = f"{version.get('Version', '?')} (API {version.get('ApiVersion', '?')})", True
+        except Exception as err:  # noqa: BLE001 - whatever the reason, the answer is "no engine"
+            found, good = f"not reachable ({type(err).__name__})", False
+    # Needed for `make image`, and for every stage when they run in the image (IN_CONTAINER=1).
+    return Check("Docker engine", f"reachable at {where}" + ("" if needed else " for image/IN_CONTAINER"), found,
+                 _status(good, needed))
 
 
 def check_disk(target: str) -> Check:
@@ -139,15 +166,117 @@ def default_lock(target: str) -> Path:
     return store.REPO / ("requirements.lock" if target == "trn2" else "requirements-dev.lock")
 
 
-def checks(target: str, lock: Path, host: Host = Host(), packages: str = "problems") -> list[Check]:
-    rows = [check_neuron_devices(host, target), check_neuron_driver(host, target), check_lnc(target),
-            check_efa(host, target), check_docker(), check_disk(target), check_hf_token(host, True)]
-    package_rows = check_packages(lock)
-    bad = [r for r in package_rows if r.status != "ok"]
-    rows.append(Check(f"Python packages ({lock.name})", f"{len(package_rows)} pins",
-                      f"{len(package_rows) - len(bad)} match, {len(bad)} differ", "ok" if not bad else "FAIL"))
-    rows += package_rows if packages == "all" else bad
+def in_project_venv(venv: Path | None = None) -> bool:
+    venv = venv or store.REPO / ".venv"
+    return venv.exists() and Path(sys.prefix).resolve() == venv.resolve()
+
+
+def check_neuron_python(target: str, in_image: bool = False) -> Check:
+    """Stages on trn2 need TorchNeuron in the environment they run in (this venv, or the image)."""
+    try:
+        found = metadata.version("torch-neuronx")
+    except metadata.PackageNotFoundError:
+        found = ("missing from the image (BASE_IMAGE must be a Neuron PyTorch image)" if in_image else
+                 "missing (stages run in the image: IN_CONTAINER=1, the default on a Neuron host whose venv lacks it)")
+    where = "in the image" if in_image else "on this host"
+    return Check(f"torch-neuronx (stages {where})", f"installed for trn2 stages {where}", found,
+                 _status(not found.startswith("missing"), target == "trn2"))
+
+
+def package_rows(lock: Path, packages: str = "problems") -> list[Check]:
+    package_rows_ = check_packages(lock)
+    bad = [r for r in package_rows_ if r.status != "ok"]
+    rows = [Check(f"Python packages ({lock.name})", f"{len(package_rows_)} pins",
+                  f"{len(package_rows_) - len(bad)} match, {len(bad)} differ", "ok" if not bad else "FAIL")]
+    return rows + (package_rows_ if packages == "all" else bad)
+
+
+def host_rows(target: str, host: Host, in_container: bool) -> list[Check]:
+    return [check_neuron_devices(host, target), check_neuron_driver(host, target), check_lnc(target),
+            check_efa(host, target), check_docker(needed=in_container), check_disk(target),
+            check_hf_token(host, True)]
+
+
+def checks(target: str, lock: Path, host: Host = Host(), packages: str = "problems", in_container: bool = False,
+           image: str | None = None, engine=None) -> list[Check]:
+    rows = host_rows(target, host, in_container)
+    if not in_container:
+        if target == "trn2":
+            rows.append(check_neuron_python(target))
+        return rows + package_rows(lock, packages)
+    # The stages run in the image: the host only runs image/doctor/launch from the venv `make setup` builds.
+    if in_project_venv():
+        rows += package_rows(store.REPO / "requirements-dev.lock", packages)
+    else:
+        rows.append(Check("Host venv (requirements-dev.lock)", "the host stages' venv", f"not set up yet at "
+                          f"{store.REPO / '.venv'} (every make target but doctor runs make setup first)", "warn"))
+    return rows + image_rows(target, image, engine)
+
+
+def image_rows(target: str, image: str | None, engine=None) -> list[Check]:
+    """The pipeline image: present, and its packages checked inside it."""
+    from pipeline.run.image import default_tag
+
+    image = image or default_tag(store.REPO / "requirements.lock", os.environ.get("BASE_IMAGE"))
+    try:
+        import docker
+    except ImportError:
+        return [Check("Pipeline image", image, "not checked: the Docker SDK is not installed yet (make setup)", "warn")]
+    try:
+        engine = engine or docker.from_env(timeout=30)
+        engine.images.get(image)
+    except docker.errors.ImageNotFound:
+        return [Check("Pipeline image", image, "not built yet (make image builds it)", "warn")]
+    except Exception as err:  # noqa: BLE001 - no engine is reported by the Docker row already
+        return [Check("Pipeline image", image, f"not checked ({type(err).__name__})", "warn")]
+    try:
+        output = engine.containers.run(image, ["doctor", "--inside-image", "--target", target], remove=True,
+                                       stdout=True, stderr=False)
+        inside = [Check(**row) for row in json.loads(output.decode().strip().splitlines()[-1])]
+    except Exception as err:  # noqa: BLE001 - an image that cannot run its own check is broken
+        return [Check("Pipeline image", image, f"present, but its check failed ({type(err).__name__}: "
+                                               f"{str(err).strip()[:200]})", "FAIL")]
+    return [Check("Pipeline image", image, "present", "ok")] + [
+        Check(f"image: {row.name}", row.needs, row.found, row.status) for row in inside]
+
+
+def inside_image_rows(target: str, record: Path = IMAGE_RECORD, lock: Path = IMAGE_LOCK) -> list[Check]:
+    """Run inside the image: its packages against what its build recorded (the base's versions kept,
+    the lock's added: docker/wheelhouse.py), every lock package present, the torchtitan internals."""
+    from pipeline.titan import compat
+
+    rows = []
+    recorded_file = record / "image-packages.txt"
+    if not recorded_file.exists():
+        return [Check("package record", str(recorded_file), "missing (image not built by make image)", "FAIL")]
+    recorded = dict(line.split("==", 1) for line in recorded_file.read_text().splitlines() if "==" in line)
+    installed = {_normalize(d.metadata["Name"]): d.version for d in metadata.distributions()}
+    differ = sorted(f"{n} {installed.get(n, 'missing')} (recorded {v})" for n, v in recorded.items()
+                    if installed.get(n) != v)
+    rows.append(Check("packages as built", f"{len(recorded)} recorded in {recorded_file}",
+                      f"{len(recorded) - len(differ)} match" + (f"; differ: {', '.join(differ[:5])}" if differ else ""),
+                      _status(not differ, True)))
+    wanted = [m.group(1) for m in (re.match(r"^\s*([A-Za-z0-9._-]+)\s*(==|@)", line)
+                                   for line in lock.read_text().splitlines()) if m]
+    absent = [name for name in wanted if _normalize(name) not in installed]
+    differences = (record / "differences.txt").read_text().splitlines() if (record / "differences.txt").exists() else []
+    kept = [line for line in differences if line.endswith("(kept)")]
+    rows.append(Check(f"lock packages ({lock.name})", f"{len(wanted)} present",
+                      f"{len(wanted) - len(absent)} present" + (f"; absent: {', '.join(absent)}" if absent else "")
+                      + (f"; {len(kept)} at the base image's version ({record / 'differences.txt'})" if kept else ""),
+                      _status(not absent, True)))
+    missing = compat.missing_internals(compat.internals_for(target))
+    rows.append(Check("torchtitan internals", f"those of torchtitan {compat.EXPECTED_TORCHTITAN} the pipeline uses",
+                      f"torchtitan {compat.torchtitan_version()}: " + ("all present" if not missing
+                                                                       else f"missing {', '.join(missing)}"),
+                      _status(not missing, True)))
+    if target == "trn2":
+        rows.append(check_neuron_python(target, in_image=True))
     return rows
+
+
+def _normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def table(rows: list[Check]) -> str:
@@ -164,12 +293,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lock", type=Path, help="lock to compare against (default: requirements.lock on trn2, "
                                                     "requirements-dev.lock elsewhere)")
     parser.add_argument("--all-packages", action="store_true", help="list every pin, not only the ones that differ")
+    parser.add_argument("--in-container", action="store_true", default=_on(os.environ.get("IN_CONTAINER")),
+                        help="the stages run in the pipeline image (IN_CONTAINER=1): check the image, not this venv")
+    parser.add_argument("--image", default=os.environ.get("PIPELINE_IMAGE"), help="--in-container: the image")
+    parser.add_argument("--inside-image", action="store_true", help=argparse.SUPPRESS)  # the image's own half
+
+
+def _on(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes")
 
 
 def run(args: argparse.Namespace) -> list[Check]:
     target = targets.resolve(args.target).name
-    rows = checks(target, args.lock or default_lock(target), packages="all" if args.all_packages else "problems")
-    print(f"target: {target}")
+    if args.inside_image:
+        rows = inside_image_rows(target)
+        print(json.dumps([asdict(r) for r in rows]))
+        return rows
+    rows = checks(target, args.lock or default_lock(target), packages="all" if args.all_packages else "problems",
+                  in_container=args.in_container, image=args.image)
+    print(f"target: {target}; stages run {'in the image' if args.in_container else 'in this Python (' + sys.prefix + ')'}")
     print(table(rows))
     failed = [r.name for r in rows if r.status == "FAIL"]
     if failed:

@@ -134,8 +134,10 @@ def estimate(arch: Qwen3Arch, settings: TrainSettings, path: str, target: str) -
     transient = full_layer if settings.activation_checkpoint != "none" else 0.0
     parts["activations"] = compute * tokens * (arch.num_hidden_layers * saved + transient)
     vocab = arch.vocab_size / (tp if plan.vocab_parallel_loss else 1)
-    # lm_head output in the compute dtype, the loss's float32 log-softmax and its float32 gradient.
-    parts["logits"] = tokens * vocab * (compute + 4 + 4)
+    # lm_head output in the compute dtype; in the loss: its float32 copy (bf16) or log-softmax input,
+    # the float32 log-softmax, and in backward the float32 gradients of both (measured on CPU, fp32:
+    # 4 vocab-sized float32 tensors alive at the peak).
+    parts["logits"] = tokens * vocab * (compute + 12)
     notes = [f"TP {tp} × FSDP {dp}; {'SP; ' if plan.sequence_parallel else ''}activation checkpointing "
              f"{settings.activation_checkpoint}; seq_len {settings.seq_len} × local batch {settings.local_batch_size}"]
     return MemoryEstimate(parts, capacity_per_rank(target, settings.lnc), notes)
