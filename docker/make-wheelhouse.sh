@@ -15,14 +15,21 @@ python="$1"
 lock="$2"
 out="${3:-/wheels}"
 here="$(cd "$(dirname "$0")" && pwd)"
-"$python" -m pip list --disable-pip-version-check --format=json > "$out/base-packages.json"
-"$python" "$here/wheelhouse.py" plan "$lock" "$out/base-packages.json" "$out"
+# pip of the base's own Python; a system Python without pip (Debian's) gets a venv that sees its packages.
+if "$python" -m pip --version >/dev/null 2>&1; then
+  pip="$python"
+else
+  "$python" -m venv --system-site-packages /tmp/wheelhouse-pip
+  pip=/tmp/wheelhouse-pip/bin/python
+fi
+"$pip" -m pip list --disable-pip-version-check --format=json > "$out/base-packages.json"
+"$pip" "$here/wheelhouse.py" plan "$lock" "$out/base-packages.json" "$out"
 if [ -s "$out/to-fetch.txt" ]; then
   # Resolve what is missing against the installed base (a dry run changes nothing), with the base's
   # versions as constraints: a lock package that needs another version of a base package fails here.
-  "$python" -m pip install --disable-pip-version-check --dry-run --report "$out/install-report.json" \
+  "$pip" -m pip install --disable-pip-version-check --dry-run --report "$out/install-report.json" \
     -c "$out/constraints.txt" -r "$out/to-fetch.txt"
-  "$python" "$here/wheelhouse.py" fetch-list "$out/install-report.json" > "$out/fetch.txt"
-  "$python" -m pip wheel --disable-pip-version-check --no-deps --wheel-dir "$out" -r "$out/fetch.txt"
+  "$pip" "$here/wheelhouse.py" fetch-list "$out/install-report.json" > "$out/fetch.txt"
+  "$pip" -m pip wheel --disable-pip-version-check --no-deps --wheel-dir "$out" -r "$out/fetch.txt"
 fi
-"$python" "$here/wheelhouse.py" finish "$out" "$out/base-packages.json"
+"$pip" "$here/wheelhouse.py" finish "$out" "$out/base-packages.json"
