@@ -167,3 +167,24 @@ def test_make_doctor_passes_in_container(monkeypatch):
     out = subprocess.run(["make", "-n", "--no-print-directory", "doctor"], cwd=REPO, capture_output=True, text=True,
                          env=env, check=True).stdout
     assert "--in-container" not in out  # no /dev/neuron0 here: the stages run in this venv
+
+
+def _make_n(target: str, *args: str, **env: str) -> str:
+    clean = {k: v for k, v in os.environ.items() if k not in ("IN_CONTAINER", "IMAGE", "HAS_NEURON")}
+    return subprocess.run(["make", "-n", "--no-print-directory", target, *args], cwd=REPO, capture_output=True,
+                          text=True, env={**clean, **env}, check=True).stdout
+
+
+def test_on_a_neuron_host_stages_run_in_the_image_unless_the_venv_has_torchneuron(tmp_path):
+    """README trn2 recipe: on a fresh trn2 host (`make setup`'s venv has no Neuron packages) every stage
+    runs in the image without IN_CONTAINER being set; a venv with torch_neuronx runs them itself."""
+    neuron = {"HAS_NEURON": "/dev/neuron0"}
+    assert " -m pipeline image  --run train --path native" in _make_n("train-native", "DRY_RUN=1", **neuron)
+    assert "--in-container" in _make_n("doctor", **neuron)
+    venv = tmp_path / "neuron-venv"
+    (venv / "lib" / "python3.14" / "site-packages" / "torch_neuronx").mkdir(parents=True)
+    (venv / "bin").mkdir()
+    (venv / "bin" / "python").touch()
+    out = _make_n("train-native", "DRY_RUN=1", f"VENV={venv}", **neuron)
+    assert " -m pipeline image" not in out and f"{venv}/bin/python -m pipeline train" in out
+    assert " -m pipeline image" not in _make_n("train-native", "DRY_RUN=1")  # no Neuron device here
