@@ -1,6 +1,7 @@
 # The pipeline image: the Neuron SDK 2.33 PyTorch training DLC (TorchNeuron, native PyTorch
-# 2.14) plus requirements.lock installed from a hash-checked wheelhouse, running as a non-root
-# user. Built by `make image` (pipeline/container.py), which makes the wheelhouse inside the base
+# 2.14) plus what requirements.lock adds to the base's own packages (docker/wheelhouse.py: the base
+# keeps its versions, differences are printed and recorded), installed from a hash-checked
+# wheelhouse, running as a non-root user. Built by `make image` (pipeline/stages/image.py), which makes the wheelhouse inside the base
 # image and adds it to the build context as wheels/.
 #
 # BASE_IMAGE pin: repository and tag follow AWS's Neuron DLC naming for SDK 2.33

@@ -103,3 +103,12 @@ def test_build_spec_tags_and_keys_by_lock_and_base(tmp_path):
                               pip_mount=[])
     spec = image.build_spec(args)
     assert spec.tag.endswith(spec.wheelhouse.name) and spec.wheelhouse.name != image.lock_sha256(lock)[:12]
+
+
+def test_dockerfile_default_base_is_the_codes():
+    import re
+
+    from pipeline.run.image import DEFAULT_BASE_IMAGE
+
+    (default,) = re.findall(r"^ARG BASE_IMAGE=(\S+)$", (REPO / "Dockerfile").read_text(), re.M)
+    assert default == DEFAULT_BASE_IMAGE == image.DEFAULT_BASE_IMAGE
