@@ -27,7 +27,7 @@ RUN ${PYTHON} -m venv /opt/pipeline-venv \
     && /opt/pipeline-venv/bin/python -m pip install --no-cache-dir --disable-pip-version-check --no-index \
        --find-links /tmp/wheels --require-hashes --no-deps -r /tmp/wheels/requirements.hashed.txt \
     && mkdir -p /opt/pipeline-record \
-    && cp /tmp/wheels/image-packages.txt /tmp/wheels/differences.txt /opt/pipeline-record/
+    && cp /tmp/wheels/image-packages.txt /tmp/wheels/differences.txt /tmp/wheels/lock.txt /opt/pipeline-record/
 
 # A second stage so the wheelhouse never becomes a layer of the final image.
 FROM ${BASE_IMAGE}
@@ -42,7 +42,7 @@ LABEL org.opencontainers.image.title="qwen3-pipeline" \
       pipeline.torch="2.14"
 SHELL ["/bin/sh", "-eu", "-c"]
 COPY --from=install /opt/pipeline-venv /opt/pipeline-venv
-# What the build derived from the base: every package the image holds, and how it differs from the lock.
+# What the build derived from the base: every package the image holds, how it differs from the lock, the lock.
 COPY --from=install /opt/pipeline-record/ /opt/pipeline/record/
 # /checkpoints, /hf-cache and TorchNeuron's NEFF cache (TORCH_NEURONX_NEFF_CACHE_DIR, torch/reference/env-vars)
 # are bind mounts at run time; they exist (and belong to the user) so a run without a mount still works.

@@ -9,6 +9,7 @@
 #   requirements.hashed.txt   name==version --hash=sha256:… for every wheel; the Dockerfile installs
 #                             exactly this with --require-hashes --no-deps
 #   image-packages.txt        base + added: every package the image will hold (doctor checks it)
+#   lock.txt                  the lock this was made from
 # Usage: make-wheelhouse.sh PYTHON LOCK [OUT]
 set -eu
 python="$1"
@@ -22,6 +23,7 @@ else
   "$python" -m venv --system-site-packages /tmp/wheelhouse-pip
   pip=/tmp/wheelhouse-pip/bin/python
 fi
+cp "$lock" "$out/lock.txt"
 "$pip" -m pip list --disable-pip-version-check --format=json > "$out/base-packages.json"
 "$pip" "$here/wheelhouse.py" plan "$lock" "$out/base-packages.json" "$out"
 if [ -s "$out/to-fetch.txt" ]; then

@@ -126,8 +126,16 @@ def test_image_that_drifted_from_its_record_fails(tmp_path):
     (record / "image-packages.txt").write_text("transformers==0.0.1\n")
     rows = {r.name: r for r in doctor.inside_image_rows("cpu", record=record, lock=lock)}
     assert rows["packages as built"].status == "FAIL" and "transformers" in rows["packages as built"].found
-    assert rows["lock packages (requirements.lock)"].status == "ok"
-    assert "at the base image's version" in rows["lock packages (requirements.lock)"].found
+    assert rows["lock packages"].status == "ok"
+    assert "at the base image's version" in rows["lock packages"].found
+
+
+def test_the_image_is_checked_against_the_lock_it_was_built_from(tmp_path):
+    record, lock = _image_record(tmp_path)
+    (record / "lock.txt").write_text("transformers==0.0.0\nno-such-package-xyz==1.0\n")
+    rows = {r.name: r for r in doctor.inside_image_rows("cpu", record=record)}
+    assert rows["lock packages"].status == "FAIL" and "absent: no-such-package-xyz" in rows["lock packages"].found
+    assert str(record / "lock.txt") in rows["lock packages"].needs
 
 
 def test_image_with_another_torchtitan_fails(tmp_path, monkeypatch):

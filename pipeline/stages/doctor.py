@@ -240,12 +240,14 @@ def image_rows(target: str, image: str | None, engine=None) -> list[Check]:
         Check(f"image: {row.name}", row.needs, row.found, row.status) for row in inside]
 
 
-def inside_image_rows(target: str, record: Path = IMAGE_RECORD, lock: Path = IMAGE_LOCK) -> list[Check]:
+def inside_image_rows(target: str, record: Path = IMAGE_RECORD, lock: Path | None = None) -> list[Check]:
     """Run inside the image: its packages against what its build recorded (the base's versions kept,
     the lock's added: docker/wheelhouse.py), every lock package present, the torchtitan internals."""
     from pipeline.titan import compat
 
     rows = []
+    # The lock the image was built from (its build records it), else the one shipped in the image.
+    lock = lock or (record / "lock.txt" if (record / "lock.txt").exists() else IMAGE_LOCK)
     recorded_file = record / "image-packages.txt"
     if not recorded_file.exists():
         return [Check("package record", str(recorded_file), "missing (image not built by make image)", "FAIL")]
@@ -261,14 +263,14 @@ def inside_image_rows(target: str, record: Path = IMAGE_RECORD, lock: Path = IMA
     absent = [name for name in wanted if _normalize(name) not in installed]
     differences = (record / "differences.txt").read_text().splitlines() if (record / "differences.txt").exists() else []
     kept = [line for line in differences if line.endswith("(kept)")]
-    rows.append(Check(f"lock packages ({lock.name})", f"{len(wanted)} present",
+    rows.append(Check("lock packages", f"{len(wanted)} of {lock} present",
                       f"{len(wanted) - len(absent)} present" + (f"; absent: {', '.join(absent)}" if absent else "")
                       + (f"; {len(kept)} at the base image's version ({record / 'differences.txt'})" if kept else ""),
                       _status(not absent, True)))
     missing = compat.missing_internals(compat.internals_for(target))
+    shown = ", ".join(missing[:3]) + (f" … ({len(missing)} in all)" if len(missing) > 3 else "")
     rows.append(Check("torchtitan internals", f"those of torchtitan {compat.EXPECTED_TORCHTITAN} the pipeline uses",
-                      f"torchtitan {compat.torchtitan_version()}: " + ("all present" if not missing
-                                                                       else f"missing {', '.join(missing)}"),
+                      f"torchtitan {compat.torchtitan_version()}: " + (f"missing {shown}" if missing else "all present"),
                       _status(not missing, True)))
     if target == "trn2":
         rows.append(check_neuron_python(target, in_image=True))

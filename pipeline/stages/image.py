@@ -32,7 +32,7 @@ from pipeline.run.image import DEFAULT_BASE_IMAGE, build_key, check_lock, defaul
 NEURON_PIP_INDEXES = "https://pip.repos.neuron.amazonaws.com https://download.pytorch.org/whl/cpu"
 # What a stage in the image reads from the caller's environment (values never printed).
 PASSED_THROUGH = ("HF_TOKEN", "TARGET", "PIPELINE_REQUIRE_PINNED")
-WHEELHOUSE_RECORDS = ("requirements.hashed.txt", "image-packages.txt", "differences.txt")
+WHEELHOUSE_RECORDS = ("requirements.hashed.txt", "image-packages.txt", "differences.txt", "lock.txt")
 IMAGE_CHECKPOINTS = "/checkpoints"
 IMAGE_HF_CACHE = "/hf-cache"
 # Where the image's TorchNeuron finds its NEFF cache (the Dockerfile's TORCH_NEURONX_NEFF_CACHE_DIR); the
