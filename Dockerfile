@@ -1,6 +1,7 @@
 # The pipeline image: the Neuron SDK 2.33 PyTorch training DLC (TorchNeuron, native PyTorch
-# 2.14) plus requirements.lock installed from a hash-checked wheelhouse, running as a non-root
-# user. Built by `make image` (pipeline/container.py), which makes the wheelhouse inside the base
+# 2.14) plus what requirements.lock adds to the base's own packages (docker/wheelhouse.py: the base
+# keeps its versions, differences are printed and recorded), installed from a hash-checked
+# wheelhouse, running as a non-root user. Built by `make image` (pipeline/stages/image.py), which makes the wheelhouse inside the base
 # image and adds it to the build context as wheels/.
 #
 # BASE_IMAGE pin: repository and tag follow AWS's Neuron DLC naming for SDK 2.33
@@ -16,11 +17,17 @@ FROM ${BASE_IMAGE} AS install
 ARG PYTHON=python3
 SHELL ["/bin/sh", "-eu", "-c"]
 COPY wheels/ /tmp/wheels/
-# --system-site-packages: torch, torch-neuronx and neuronx-cc stay the base image's own; the
-# wheelhouse's hashed list holds only what the base lacks, the full closure, hence --no-deps.
-RUN ${PYTHON} -m venv --system-site-packages /opt/pipeline-venv \
+# The venv sees the base's own packages through site.addsitedir (also when the base's Python is itself a
+# venv, and with the .pth files of editable installs such as torchtitan-neuron's processed): torch,
+# torch-neuronx, neuronx-cc and torchtitan stay the base image's. The hashed list holds what the base
+# lacks (docker/wheelhouse.py), the full closure, hence --no-deps.
+RUN ${PYTHON} -m venv /opt/pipeline-venv \
+    && ${PYTHON} -c 'import site; print("".join(f"import site; site.addsitedir({p!r})\n" for p in site.getsitepackages()))' \
+       > "$(/opt/pipeline-venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/base-image.pth" \
     && /opt/pipeline-venv/bin/python -m pip install --no-cache-dir --disable-pip-version-check --no-index \
-       --find-links /tmp/wheels --require-hashes --no-deps -r /tmp/wheels/requirements.hashed.txt
+       --find-links /tmp/wheels --require-hashes --no-deps -r /tmp/wheels/requirements.hashed.txt \
+    && mkdir -p /opt/pipeline-record \
+    && cp /tmp/wheels/image-packages.txt /tmp/wheels/differences.txt /tmp/wheels/lock.txt /opt/pipeline-record/
 
 # A second stage so the wheelhouse never becomes a layer of the final image.
 FROM ${BASE_IMAGE}
@@ -35,8 +42,10 @@ LABEL org.opencontainers.image.title="qwen3-pipeline" \
       pipeline.torch="2.14"
 SHELL ["/bin/sh", "-eu", "-c"]
 COPY --from=install /opt/pipeline-venv /opt/pipeline-venv
-# /checkpoints, /hf-cache and the Neuron compile cache (the path configs/targets set) are bind mounts at run time; they exist (and belong to
-# the user) so a run without a mount still works.
+# What the build derived from the base: every package the image holds, how it differs from the lock, the lock.
+COPY --from=install /opt/pipeline-record/ /opt/pipeline/record/
+# /checkpoints, /hf-cache and TorchNeuron's NEFF cache (TORCH_NEURONX_NEFF_CACHE_DIR, torch/reference/env-vars)
+# are bind mounts at run time; they exist (and belong to the user) so a run without a mount still works.
 RUN useradd --create-home --uid "${PIPELINE_UID}" --shell /bin/sh pipeline \
     && mkdir -p /checkpoints /hf-cache /var/tmp/neuron-compile-cache \
     && chown pipeline:pipeline /checkpoints /hf-cache /var/tmp/neuron-compile-cache \
@@ -51,7 +60,7 @@ ENV PATH=/opt/pipeline-venv/bin:${PATH} \
     HOME=/home/pipeline \
     PIPELINE_CHECKPOINTS=/checkpoints \
     HF_HOME=/hf-cache \
-    NEURON_COMPILE_CACHE_URL=/var/tmp/neuron-compile-cache \
+    TORCH_NEURONX_NEFF_CACHE_DIR=/var/tmp/neuron-compile-cache \
     PYTHONUNBUFFERED=1
 USER ${PIPELINE_UID}
 WORKDIR /opt/pipeline

@@ -10,12 +10,16 @@ define newline
 
 endef
 # ---- variables: name, default, meaning (the one list `make help` prints and typos are checked against)
-HAS_NEURON := $(wildcard /dev/neuron0)
+# (an environment variable HAS_NEURON stands in for the device in tests)
+HAS_NEURON ?= $(wildcard /dev/neuron0)
 PYTHON ?= python3
 VENV ?= .venv
 MODEL ?= $(if $(HAS_NEURON),Qwen/Qwen3-4B-Instruct-2507,tiny)
 TRAIN_PATH ?= native
 DTYPE ?= bfloat16
+# On a Neuron host whose venv has no TorchNeuron (the venv `make setup` builds from requirements-dev.lock
+# never has), the stages can only run in the image: that is the default there.
+IN_CONTAINER ?= $(if $(HAS_NEURON),$(if $(wildcard $(VENV)/lib/python*/site-packages/torch_neuronx),0,1),0)
 define VARIABLES
 MODEL|$(MODEL)|Hub id (org/name), a local HF directory, or tiny / tiny-moe (embedded)
 TARGET|detected|cpu, cuda or trn2
@@ -35,7 +39,7 @@ MAX_SHARD_SIZE|5GB|largest export shard
 CHECKPOINT||verify-checkpoint: an HF directory to verify (with REFERENCE)
 REFERENCE||verify-checkpoint: the checkpoint it must match
 NODES|2|launch-slurm / launch-eks: number of trn2 nodes
-IN_CONTAINER|0|1: run stages inside the pipeline image
+IN_CONTAINER|$(IN_CONTAINER)|1: run stages inside the pipeline image (default 1 on a Neuron host whose venv lacks torch-neuronx)
 IMAGE|lock tag|the image IN_CONTAINER uses
 BASE_IMAGE|Neuron 2.33 DLC|the image `make image` builds on
 BENCH_REPEATS|2|bench: repeats per measurement
@@ -129,7 +133,8 @@ image: setup ## build the container image (Docker SDK), tag from the lock's hash
 	$(HOST_PIPE) image $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE))
 
 doctor: python-check ## what this host has vs what the pipeline needs (works before `make setup`)
-	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m pipeline doctor --venv $(VENV) $(if $(TARGET),--target $(TARGET))
+	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m pipeline doctor --venv $(VENV) $(if $(TARGET),--target $(TARGET)) \
+	  $(if $(call on,IN_CONTAINER),--in-container $(if $(IMAGE),--image $(IMAGE)))
 
 launch-slurm: setup ## render an sbatch script for NODES trn2 nodes
 	$(HOST_PIPE) launch --scheduler slurm --nodes $(or $(NODES),2) --model $(MODEL) --path $(TRAIN_PATH)

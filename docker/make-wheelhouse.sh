@@ -1,38 +1,37 @@
 #!/bin/sh
-# Run inside a throwaway container of the base image (pipeline/container.py does this), so the
-# wheels match the image's own Python and platform. Writes to /wheels:
-#   *.whl                     every requirement of the lock and its dependencies
-#   base-freeze.txt           what the base image already has (pip freeze)
-#   requirements.hashed.txt   name==version --hash=sha256:… for every wheel the base lacks; the
-#                             Dockerfile installs exactly this with --require-hashes --no-deps
-# Usage: make-wheelhouse.sh PYTHON LOCK
+# Run inside a throwaway container of the base image (pipeline/stages/image.py does this), so the
+# wheels match the image's own Python and platform, and what the image installs is derived from the
+# base's own packages (docker/wheelhouse.py): the base keeps every package it has, the lock's pins add
+# what it lacks, every difference is printed. Writes to OUT (default /wheels):
+#   base-packages.json        what the base image already has (pip list)
+#   differences.txt           lock vs base: kept at the base's version, or added
+#   *.whl                     the packages to add, and the dependencies of those the base lacks
+#   requirements.hashed.txt   name==version --hash=sha256:… for every wheel; the Dockerfile installs
+#                             exactly this with --require-hashes --no-deps
+#   image-packages.txt        base + added: every package the image will hold (doctor checks it)
+#   lock.txt                  the lock this was made from
+# Usage: make-wheelhouse.sh PYTHON LOCK [OUT]
 set -eu
 python="$1"
 lock="$2"
-venv=/tmp/wheelhouse-venv
-"$python" -m venv --system-site-packages "$venv"
-"$venv/bin/python" -m pip freeze --all > /wheels/base-freeze.txt
-# Constrain to the base's own versions so torch, torch-neuronx and neuronx-cc resolve to what the
-# image already has instead of whatever the index offers.
-grep -E '^[A-Za-z0-9._-]+==' /wheels/base-freeze.txt | grep -viE '^(pip|setuptools|wheel)==' > /tmp/base-constraints.txt || true
-"$venv/bin/python" -m pip wheel --quiet --wheel-dir /wheels -c /tmp/base-constraints.txt -r "$lock"
-"$venv/bin/python" - <<'PY'
-import hashlib, pathlib, re
-
-wheels = pathlib.Path("/wheels")
-norm = lambda name: re.sub(r"[-_.]+", "-", name).lower()
-base = {}
-for line in (wheels / "base-freeze.txt").read_text().splitlines():
-    if "==" in line:
-        name, version = line.split("==", 1)
-        base[norm(name)] = version.strip()
-lines = []
-for wheel in sorted(wheels.glob("*.whl")):
-    name, version = wheel.name.split("-")[:2]
-    if base.get(norm(name)) == version:
-        continue  # already in the base image at this exact version
-    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
-    lines.append(f"{norm(name)}=={version} --hash=sha256:{digest}")
-(wheels / "requirements.hashed.txt").write_text("\n".join(lines) + "\n")
-print(f"wheelhouse: {len(lines)} wheels to install, {len(base)} packages already in the base image")
-PY
+out="${3:-/wheels}"
+here="$(cd "$(dirname "$0")" && pwd)"
+# pip of the base's own Python; a system Python without pip (Debian's) gets a venv that sees its packages.
+if "$python" -m pip --version >/dev/null 2>&1; then
+  pip="$python"
+else
+  "$python" -m venv --system-site-packages /tmp/wheelhouse-pip
+  pip=/tmp/wheelhouse-pip/bin/python
+fi
+cp "$lock" "$out/lock.txt"
+"$pip" -m pip list --disable-pip-version-check --format=json > "$out/base-packages.json"
+"$pip" "$here/wheelhouse.py" plan "$lock" "$out/base-packages.json" "$out"
+if [ -s "$out/to-fetch.txt" ]; then
+  # Resolve what is missing against the installed base (a dry run changes nothing), with the base's
+  # versions as constraints: a lock package that needs another version of a base package fails here.
+  "$pip" -m pip install --disable-pip-version-check --dry-run --report "$out/install-report.json" \
+    -c "$out/constraints.txt" -r "$out/to-fetch.txt"
+  "$pip" "$here/wheelhouse.py" fetch-list "$out/install-report.json" > "$out/fetch.txt"
+  "$pip" -m pip wheel --disable-pip-version-check --no-deps --wheel-dir "$out" -r "$out/fetch.txt"
+fi
+"$pip" "$here/wheelhouse.py" finish "$out" "$out/base-packages.json"

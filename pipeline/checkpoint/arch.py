@@ -43,6 +43,45 @@ class Qwen3Arch:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    # ---- parameter and FLOP counts: the one place every training path takes them from ----------
+
+    def layer_params(self) -> dict[str, int]:
+        """Parameters of one decoder layer, by part (Hugging Face's modules, any training path)."""
+        h, hd = self.hidden_size, self.head_dim
+        q, kv = self.num_attention_heads * hd, self.num_key_value_heads * hd
+        parts = {"attention": h * (q + 2 * kv) + q * h, "norms": 2 * h + 2 * hd}
+        if self.is_moe:
+            parts |= {"router": self.num_experts * h, "experts": self.num_experts * 3 * h * self.moe_intermediate_size}
+        else:
+            parts |= {"mlp": 3 * h * self.intermediate_size}
+        return parts
+
+    def param_counts(self) -> dict[str, int]:
+        """Every parameter, by part; a tied lm_head is the embedding and counts once."""
+        layer = self.layer_params()
+        counts = {key: value * self.num_hidden_layers for key, value in layer.items()}
+        counts |= {"embedding": self.vocab_size * self.hidden_size, "final_norm": self.hidden_size,
+                   "lm_head": 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size}
+        return counts
+
+    @property
+    def num_params(self) -> int:
+        return sum(self.param_counts().values())
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token, with torchtitan's convention (models/utils.py,
+        get_moe_model_nparams_and_flops): 6 per parameter a token passes through a matmul of — the
+        embedding lookup is no matmul, the lm_head is one whether or not it is tied — with only
+        top_k/num_experts of the routed experts active, plus 6·layers·heads·(2·head_dim)·seq_len for
+        the attention scores and values. MFU must not depend on which path implements the model."""
+        counts = self.param_counts()
+        active = sum(counts.values()) - counts["embedding"] - counts["lm_head"]
+        active += self.vocab_size * self.hidden_size  # the lm_head matmul, tied or not
+        if self.is_moe:
+            active -= counts["experts"] - counts["experts"] * self.num_experts_per_tok // self.num_experts
+        attention = 6 * self.num_hidden_layers * self.num_attention_heads * (2 * self.head_dim) * seq_len
+        return 6 * active + attention
+
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         """Hugging Face key → shape, as the Hub stores it (per-expert keys for MoE)."""
         h, hd = self.hidden_size, self.head_dim

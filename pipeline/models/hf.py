@@ -68,17 +68,11 @@ class HFQwen3(BaseModel):
                                     f"use SEQ_LEN ≤ {limit}.")
 
         def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
-            cfg = self.config_json
+            # One FLOP count per model, whatever path implements it: Qwen3Arch's (torchtitan's convention).
+            from pipeline.checkpoint.arch import arch_from_config
+
             nparams = sum(p.numel() for p in model.parameters())
-            active = nparams - model.model.embed_tokens.weight.numel()
-            experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
-            if experts:
-                per_expert = 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"]
-                active -= cfg["num_hidden_layers"] * (experts - cfg["num_experts_per_tok"]) * per_expert
-            head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-            # 6 FLOPs per active parameter per token, plus attention scores (as torchtitan counts them).
-            attention = 12 * cfg["num_hidden_layers"] * cfg["num_attention_heads"] * head_dim * seq_len
-            return nparams, 6 * active + attention
+            return nparams, arch_from_config(self.config_json, "the hf path's config.json").flops_per_token(seq_len)
 
     def __init__(self, config: Config):
         super().__init__()

@@ -1,13 +1,14 @@
 """torchtitan's own Qwen3, built with the shapes of a checkpoint's config.json.
 
 torchtitan only ships named flavors; its builders for a flavor's layers are private
-(`_build_qwen3_layers` and friends in torchtitan.models.qwen3, 0.3.0). We call them with
-the checkpoint's numbers so the layer/parameter-init conventions stay torchtitan's own.
+(reached through pipeline.titan.compat, which checks they exist). We call them with the
+checkpoint's numbers so the layer/parameter-init conventions stay torchtitan's own.
 """
 
 from __future__ import annotations
 
 from pipeline.checkpoint.arch import TITAN_RMS_NORM_EPS, Qwen3Arch
+from pipeline.titan import compat
 
 
 def model_config(arch: Qwen3Arch, attn_backend: str = "flex"):
@@ -26,7 +27,7 @@ def model_config(arch: Qwen3Arch, attn_backend: str = "flex"):
         rope=rope,
     )
     if arch.is_moe:
-        layers = titan_qwen3._build_qwen3_moe_layers(
+        layers = compat.qwen3_moe_layers(
             **common,
             moe_hidden_dim=arch.moe_intermediate_size,
             num_experts=arch.num_experts,
@@ -38,25 +39,26 @@ def model_config(arch: Qwen3Arch, attn_backend: str = "flex"):
             # would add one that the Hugging Face model and the export know nothing of.
             layer.moe.load_balance_coeff = None
     else:
-        layers = titan_qwen3._build_qwen3_layers(**common, hidden_dim=arch.intermediate_size)
-    assert titan_qwen3._EPS == TITAN_RMS_NORM_EPS
+        layers = compat.qwen3_layers(**common, hidden_dim=arch.intermediate_size)
+    assert compat.qwen3_eps() == TITAN_RMS_NORM_EPS
+    inits = compat.qwen3_inits(arch.tie_word_embeddings)
     return titan_qwen3.Qwen3Model.Config(
         vocab_size=arch.vocab_size,
         dim=arch.hidden_size,
-        norm=titan_qwen3._qwen3_norm(arch.hidden_size),
+        norm=compat.qwen3_norm(arch.hidden_size),
         enable_weight_tying=arch.tie_word_embeddings,
         tok_embeddings=Embedding.Config(
             num_embeddings=arch.vocab_size,
             embedding_dim=arch.hidden_size,
-            param_init=titan_qwen3._EMBEDDING_SKIP_INIT if arch.tie_word_embeddings else titan_qwen3._EMBEDDING_INIT,
+            param_init=inits["embedding"],
         ),
         lm_head=Linear.Config(in_features=arch.hidden_size, out_features=arch.vocab_size,
-                              param_init=titan_qwen3._LINEAR_INIT),
+                              param_init=inits["lm_head"]),
         layers=layers,
     )
 
 
-def model_spec(arch: Qwen3Arch, name: str):
+def model_spec(arch: Qwen3Arch, name: str, attn_backend: str = "flex"):
     from torchtitan.components.optimizer import register_moe_load_balancing_hook
     from torchtitan.distributed.pipeline_parallel import pipeline_llm
     from torchtitan.models.qwen3 import Qwen3StateDictAdapter, parallelize_qwen3
@@ -65,7 +67,7 @@ def model_spec(arch: Qwen3Arch, name: str):
     return ModelSpec(
         name="qwen3",
         flavor=name,
-        model=model_config(arch),
+        model=model_config(arch, attn_backend),
         parallelize_fn=parallelize_qwen3,
         pipelining_fn=pipeline_llm,
         post_optimizer_build_fn=register_moe_load_balancing_hook if arch.is_moe else None,

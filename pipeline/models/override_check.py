@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatch
 
 from pipeline.errors import PipelineError
+from pipeline.titan import compat
 
 ROOT = "model_spec.model"  # where Trainer.Config holds the model config
 
@@ -47,16 +48,13 @@ def _entry_name(entry) -> str:
 
 def registered(name: str):
     """The torchtitan Override object a `module.function` target names (imports its module)."""
-    titan_override = importlib.import_module("torchtitan.config.override")  # the module, not the decorator
-
     module, _, _ = name.rpartition(".")
     try:
         importlib.import_module(module)
     except ImportError as err:
         raise PipelineError(f"override {name!r}: module {module!r} cannot be imported ({err}).",
                             "fix the override.imports entry.") from err
-    # torchtitan 0.3.0 exposes registration only through this module-level dict.
-    found = titan_override._REGISTRY.get(name)
+    found = compat.registered_override(name)
     if found is None:
         raise PipelineError(f"override {name!r} names no registered @override.", "fix the override.imports entry.")
     return found
@@ -65,7 +63,7 @@ def registered(name: str):
 def all_module_fqns(model_config) -> list[str]:
     from torchtitan.config.configurable import Configurable
 
-    return [fqn for fqn, *_ in model_config.traverse(Configurable.Config, recurse=True, _prefix=ROOT)]
+    return [fqn for fqn, *_ in compat.traverse(model_config, Configurable.Config, ROOT, recurse=True)]
 
 
 def check(imports: list, model_config) -> CheckReport:
@@ -74,7 +72,7 @@ def check(imports: list, model_config) -> CheckReport:
     matches, warnings = [], []
     for name in names:
         ov = registered(name)
-        found = [fqn for fqn, cfg, _, _ in model_config.traverse(ov.target_cls, _prefix=ROOT)
+        found = [fqn for fqn, cfg, _, _ in compat.traverse(model_config, ov.target_cls, ROOT)
                  if (not ov.exact or type(cfg) is ov.target_cls) and ov.matches(fqn)]
         matches.append(OverrideMatch(name, ov.target_cls.__qualname__.removesuffix(".Config"), ov.fqns, found))
         if not found:

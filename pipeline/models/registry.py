@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pipeline.errors import PipelineError
+from pipeline.models import attention_backends
 from pipeline.run.settings import TrainSettings, closest
 from pipeline.run.spec import RunSpec
 
@@ -34,7 +35,8 @@ class TrainingPath:
 def _native(spec: RunSpec):
     from pipeline.models import native
 
-    return native.model_spec(spec.arch, spec.model_key)
+    return native.model_spec(spec.arch, spec.model_key,
+                             attention_backends.titan_backend(spec.settings.attention_backend))
 
 
 def _hf(spec: RunSpec):
@@ -46,14 +48,20 @@ def _hf(spec: RunSpec):
     return hf.model_spec(json.loads((Path(spec.source_dir) / "config.json").read_text()), spec.model_key)
 
 
-def _cpu_overrides(target: str, settings: TrainSettings) -> tuple[str, ...]:
-    return (CPU_ATTENTION, CPU_EXPERTS) if target == "cpu" else ()
+def _native_overrides(target: str, settings: TrainSettings) -> tuple[str, ...]:
+    # The attention backend's kernel (document_sdpa on trn2), then what CPU needs; the dense-mask
+    # CPU attention replaces FlexAttention and so only comes with the flex backend.
+    attention = attention_backends.override_for(settings.attention_backend)
+    cpu = (CPU_ATTENTION, CPU_EXPERTS) if target == "cpu" else ()
+    if settings.attention_backend != "flex":
+        cpu = tuple(o for o in cpu if o != CPU_ATTENTION)
+    return ((attention,) if attention else ()) + cpu
 
 
-def _nki_cpu_overrides(target: str, settings: TrainSettings) -> tuple[str, ...]:
+def _nki_overrides(target: str, settings: TrainSettings) -> tuple[str, ...]:
     # nki_experts claims GroupedExperts itself, and its reference dispatch is loop_experts' per-expert loop.
     replaced = {CPU_EXPERTS} if "moe" in settings.nki_overrides else set()
-    return tuple(o for o in _cpu_overrides(target, settings) if o not in replaced)
+    return tuple(o for o in _native_overrides(target, settings) if o not in replaced)
 
 
 def _prepare_nki(spec: RunSpec) -> None:
@@ -67,12 +75,12 @@ PATHS: dict[str, TrainingPath] = {
     for p in (
         TrainingPath("hf", "Transformers v5's own Qwen3 (AutoModelForCausalLM from config.json) trained by torchtitan",
                      _hf, colour="tab:blue", line=("-", "o")),
-        TrainingPath("native", "torchtitan's own Qwen3 (dense and MoE)", _native, overrides=_cpu_overrides,
+        TrainingPath("native", "torchtitan's own Qwen3 (dense and MoE)", _native, overrides=_native_overrides,
                      colour="tab:orange", line=("--", "s")),
         # Same model as native: the NKI modules come in through override.imports, so parameter
         # names, checkpoints and the export stay native's.
         TrainingPath("nki", "native Qwen3 with NKI kernels (RoPE, MoE) via torchtitan's override registry", _native,
-                     overrides=_nki_cpu_overrides, prepare=_prepare_nki,
+                     overrides=_nki_overrides, prepare=_prepare_nki,
                      colour="tab:green", line=(":", "^")),
     )
 }

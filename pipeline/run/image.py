@@ -1,15 +1,24 @@
-"""The pipeline image's name: qwen3-pipeline:lock-<sha256 of requirements.lock, 12 hex>, so a
-changed lock is a new image and one tag means one set of packages."""
+"""The pipeline image's name and the lock it is built from.
+
+The tag is qwen3-pipeline:lock-<12 hex>: the sha256 of requirements.lock, so a changed lock is a new
+image; with a BASE_IMAGE other than the default, the base's name goes into the hash too, because the
+image keeps the base's own versions of the packages it has (docker/wheelhouse.py). A lock whose every
+line is one exact version, or a URL pinned to a full commit, then means one set of packages.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 
 from pipeline.errors import PipelineError
 
 IMAGE_REPO = "qwen3-pipeline"
 LOCK = Path(__file__).resolve().parent.parent.parent / "requirements.lock"
+# The Neuron SDK 2.33 PyTorch training DLC (see the Dockerfile for how to pin it by digest).
+DEFAULT_BASE_IMAGE = "public.ecr.aws/neuron/pytorch-training-neuronx:2.14.0-neuronx-py314-sdk2.33.0-ubuntu26.04"
+COMMIT = re.compile(r"@([0-9a-f]{40})$")
 
 
 def lock_sha256(lock: Path) -> str:
@@ -19,5 +28,43 @@ def lock_sha256(lock: Path) -> str:
         raise PipelineError(f"lock file {lock} does not exist.", "pass --lock with an existing file.") from err
 
 
-def default_tag(lock: Path | None = None) -> str:
-    return f"{IMAGE_REPO}:lock-{lock_sha256(lock or LOCK)[:12]}"
+def build_key(lock: Path | None = None, base_image: str | None = None) -> str:
+    """12 hex naming what an image is built from: the lock, and a base image other than the default."""
+    lock = lock or LOCK
+    if base_image in (None, DEFAULT_BASE_IMAGE):
+        return lock_sha256(lock)[:12]
+    return hashlib.sha256(Path(lock).read_bytes() + b"\nbase-image: " + base_image.encode()).hexdigest()[:12]
+
+
+def default_tag(lock: Path | None = None, base_image: str | None = None) -> str:
+    return f"{IMAGE_REPO}:lock-{build_key(lock, base_image)}"
+
+
+def check_lock(lock: Path) -> list:
+    """Every requirement of the lock, or a one-line refusal: a line that is not exactly one version
+    (a wildcard, a range) or a URL not pinned to a full commit (a branch, a tag, a placeholder)."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    requirements = []
+    for number, line in enumerate(Path(lock).read_text().splitlines(), 1):
+        text = line.split("#", 1)[0].strip() if not line.lstrip().startswith("#") else ""
+        if not text:
+            continue
+        where = f"{lock}:{number}"
+        try:
+            req = Requirement(text)
+        except InvalidRequirement as err:
+            raise PipelineError(f"{where}: {text!r} is not a requirement ({err}).", "write name==version.") from err
+        if req.url:
+            if not COMMIT.search(req.url):
+                ref = req.url.rsplit("@", 1)[-1]
+                raise PipelineError(f"{where}: {req.name} is pinned to {ref!r}, not a 40-hex commit, so the lock "
+                                    "does not name one set of packages.",
+                                    f"replace {ref!r} with the commit (git ls-remote {req.url.split('+', 1)[-1].rsplit('@', 1)[0]} "
+                                    "<branch>) in the lock.")
+        else:
+            specs = list(req.specifier)
+            if len(specs) != 1 or specs[0].operator != "==" or "*" in specs[0].version:
+                raise PipelineError(f"{where}: {text!r} is not one exact version.", f"pin {req.name}==<version>.")
+        requirements.append(req)
+    return requirements

@@ -23,6 +23,9 @@ CHOICES = {
     "activation_checkpoint": ("none", "selective", "full"),
     "compile_backend": ("inductor", "neuron", "aot_eager"),
     "constraint_policy": ("error", "fallback"),
+    # torchtitan Qwen3's attention (pipeline/models/attention_backends.py): flex needs Inductor
+    # (CPU, CUDA); document_sdpa does not (neuron).
+    "attention_backend": ("flex", "document_sdpa"),
 }
 
 
@@ -44,6 +47,7 @@ class TrainSettings:
     activation_checkpoint: str = "none"
     compile: bool = False
     compile_backend: str = "inductor"
+    attention_backend: str = "flex"
     checkpoint_interval: int = 5
     keep_latest_k: int = 2
     dataset: str = "local"

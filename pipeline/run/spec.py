@@ -36,6 +36,7 @@ class RunSpec:
     overrides: list = field(default_factory=list)  # torchtitan override.imports entries
     titan_args: list = field(default_factory=list)  # torchtitan CLI flags applied over the built config
     nki: dict = field(default_factory=dict)  # the nki path's plan (overrides, kernels, constraints)
+    memory: dict = field(default_factory=dict)  # training.memory's estimate of device memory per rank
 
     @property
     def world_size(self) -> int:

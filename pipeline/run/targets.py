@@ -13,13 +13,28 @@ from pipeline.errors import PipelineError
 TRN2_PEAK_PER_LOGICAL_CORE_LNC2 = 667e12 / 4
 # Dense bf16 peaks (no sparsity) of the GPUs this pipeline is checked on.
 CUDA_PEAKS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+# TorchNeuron's compiled-graph (NEFF) cache (torch/reference/env-vars; shared/notes/neuron.md).
+# NEURON_COMPILE_CACHE_URL is the torch-xla-era variable: TorchNeuron does not read it, so a cache
+# set through it is never reused and every run recompiles. One fixed directory on the host (and
+# the same path, bind-mounted, in the image) is what makes a second run with the same shapes skip
+# the compile.
+NEFF_CACHE_ENV = "TORCH_NEURONX_NEFF_CACHE_DIR"
+DEFAULT_NEFF_CACHE = "/var/tmp/neuron-compile-cache"
 
 
 @dataclass(frozen=True)
 class Target:
     name: str
     description: str
-    env: dict = field(default_factory=dict)
+    env: dict = field(default_factory=dict)  # set for every launch on this target
+    env_defaults: dict = field(default_factory=dict)  # set unless the caller's environment already sets them
+
+    def launch_vars(self, environ: dict) -> dict:
+        """The variables this target sets for a launch, resolved against the caller's environment."""
+        return {**{k: environ.get(k, v) for k, v in self.env_defaults.items()}, **self.env}
+
+    def launch_env(self, environ: dict) -> dict:
+        return {**environ, **self.launch_vars(environ)}
 
     def peak_flops_per_rank(self, lnc: int = 2) -> float | None:
         if self.name == "trn2":
@@ -44,8 +59,8 @@ TARGETS = {
                   env={"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "4294967296"}),
     "cuda": Target("cuda", "NVIDIA GPUs with NCCL"),
     "trn2": Target("trn2", "trn2.48xlarge: 64 logical NeuronCores at LNC=2, TorchNeuron",
-                   env={"NEURON_LOGICAL_NC_CONFIG": "2", "NEURON_COMPILE_CACHE_URL": "/var/tmp/neuron-compile-cache",
-                        "NEURON_RT_STOCHASTIC_ROUNDING_EN": "1"}),
+                   env={"NEURON_LOGICAL_NC_CONFIG": "2", "NEURON_RT_STOCHASTIC_ROUNDING_EN": "1"},
+                   env_defaults={NEFF_CACHE_ENV: DEFAULT_NEFF_CACHE}),
 }
 
 

@@ -1,10 +1,10 @@
-"""Stage `doctor`: a table of what the pipeline needs on this host and what it finds.
+"""Stage `doctor`: a table of what the pipeline needs and what it finds, where the stages will run.
 
-Each row is ok, warn (missing but not needed for the resolved target) or FAIL (missing and
-needed). Exits non-zero when any row fails. Reads only; never prints a token's value.
-Runs before `make setup`, under a bare system Python: the standard library only (the Docker
-engine is asked over its socket, not through the SDK). The packages checked are those of the
-environment the stages run in — the project venv when it exists — read with importlib.metadata.
+Each row is ok, warn (missing but not needed for the resolved target, or not set up yet) or FAIL
+(missing and needed); any FAIL exits non-zero. Runs before `make setup` on the standard library
+alone (the Docker engine is asked over its socket). Packages are those of the environment the stages
+run in: the project venv, or — with IN_CONTAINER=1 — the pipeline image, checked inside it against
+the package set its build recorded, plus the torchtitan internals the pipeline uses. Never prints a token.
 """
 
 from __future__ import annotations
@@ -21,12 +21,16 @@ import shutil
 import socket
 import sys
 import sysconfig
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
 
 from pipeline.errors import PipelineError
 from pipeline.run import store, targets
+
+# What the image's build recorded (Dockerfile: COPY --from=install /opt/pipeline-record/).
+IMAGE_RECORD = Path("/opt/pipeline/record")
+IMAGE_LOCK = Path("/opt/pipeline/requirements.lock")
 
 # trn2.48xlarge
 NEURON_DEVICES = 16
@@ -115,15 +119,16 @@ def docker_version(docker_host: str, timeout: float = 5.0) -> dict:
         connection.close()
 
 
-def check_docker() -> Check:
+def check_docker(needed: bool = False) -> Check:
     where = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
     try:
         version = docker_version(where)
         found, good = f"{version.get('Version', '?')} (API {version.get('ApiVersion', '?')})", True
     except (OSError, ValueError, http.client.HTTPException) as err:  # whatever the reason: no engine to use
         found, good = f"not reachable ({type(err).__name__}: {getattr(err, 'strerror', None) or err})", False
-    # Needed for `make image` and IN_CONTAINER=1 only.
-    return Check("Docker engine", f"reachable at {where} for image/IN_CONTAINER", found, _status(good, False))
+    # Needed for `make image`, and for every stage when they run in the image (IN_CONTAINER=1).
+    return Check("Docker engine", f"reachable at {where}" + ("" if needed else " for image/IN_CONTAINER"), found,
+                 _status(good, needed))
 
 
 def check_python() -> Check:
@@ -255,14 +260,100 @@ def default_lock(target: str) -> Path:
     return store.REPO / ("requirements.lock" if target == "trn2" else "requirements-dev.lock")
 
 
+def check_neuron_python(target: str, env: Environment | None, in_image: bool = False) -> Check:
+    """Stages on trn2 need TorchNeuron in the environment they run in (the venv, or the image)."""
+    found = (env.installed() if env is not None else {}).get("torch-neuronx")
+    if found is None:
+        found = ("missing from the image (BASE_IMAGE must be a Neuron PyTorch image)" if in_image else
+                 "missing (stages run in the image: IN_CONTAINER=1, the default on a Neuron host whose venv lacks it)")
+    where = "in the image" if in_image else "on this host"
+    return Check(f"torch-neuronx (stages {where})", f"installed for trn2 stages {where}", found,
+                 _status(not found.startswith("missing"), target == "trn2"))
+
+
 def checks(target: str, lock: Path, host: Host = Host(), packages: str = "problems",
-           venv: Path | None = store.REPO / ".venv") -> list[Check]:
+           venv: Path | None = store.REPO / ".venv", in_container: bool = False, image: str | None = None,
+           engine=None) -> list[Check]:
     rows = [check_python(), check_compiler(target), check_neuron_devices(host, target),
-            check_neuron_driver(host, target), check_lnc(target), check_efa(host, target), check_docker(),
-            check_disk(target), check_hf_token(host, True)]
+            check_neuron_driver(host, target), check_lnc(target), check_efa(host, target),
+            check_docker(needed=in_container), check_disk(target), check_hf_token(host, True)]
     if not lock.exists():
         raise PipelineError(f"lock file {lock} does not exist.", "pass --lock with an existing lock file.")
-    return rows + package_rows(lock, environment(venv), packages)
+    env = environment(venv)
+    if not in_container:
+        if target == "trn2":
+            rows.append(check_neuron_python(target, env))
+        return rows + package_rows(lock, env, packages)
+    # The stages run in the image: the host venv only runs image/doctor/launch (the dev lock).
+    return rows + package_rows(store.REPO / "requirements-dev.lock", env, packages) + image_rows(target, image, engine)
+
+
+def image_rows(target: str, image: str | None, engine=None) -> list[Check]:
+    """The pipeline image: present, and its packages checked inside it."""
+    from pipeline.run.image import default_tag
+
+    image = image or default_tag(store.REPO / "requirements.lock", os.environ.get("BASE_IMAGE"))
+    try:
+        import docker
+    except ImportError:
+        return [Check("Pipeline image", image, "not checked: the Docker SDK is not installed yet (make setup)", "warn")]
+    try:
+        engine = engine or docker.from_env(timeout=30)
+        engine.images.get(image)
+    except docker.errors.ImageNotFound:
+        return [Check("Pipeline image", image, "not built yet (make image builds it)", "warn")]
+    except Exception as err:  # noqa: BLE001 - no engine is reported by the Docker row already
+        return [Check("Pipeline image", image, f"not checked ({type(err).__name__})", "warn")]
+    try:
+        output = engine.containers.run(image, ["doctor", "--inside-image", "--target", target], remove=True,
+                                       stdout=True, stderr=False)
+        inside = [Check(**row) for row in json.loads(output.decode().strip().splitlines()[-1])]
+    except Exception as err:  # noqa: BLE001 - an image that cannot run its own check is broken
+        return [Check("Pipeline image", image, f"present, but its check failed ({type(err).__name__}: "
+                                               f"{str(err).strip()[:200]})", "FAIL")]
+    return [Check("Pipeline image", image, "present", "ok")] + [
+        Check(f"image: {row.name}", row.needs, row.found, row.status) for row in inside]
+
+
+def inside_image_rows(target: str, record: Path = IMAGE_RECORD, lock: Path | None = None) -> list[Check]:
+    """Run inside the image: its packages against what its build recorded (the base's versions kept,
+    the lock's added: docker/wheelhouse.py), every lock package present, the torchtitan internals."""
+    from pipeline.titan import compat
+
+    rows = []
+    # The lock the image was built from (its build records it), else the one shipped in the image.
+    lock = lock or (record / "lock.txt" if (record / "lock.txt").exists() else IMAGE_LOCK)
+    recorded_file = record / "image-packages.txt"
+    if not recorded_file.exists():
+        return [Check("package record", str(recorded_file), "missing (image not built by make image)", "FAIL")]
+    recorded = dict(line.split("==", 1) for line in recorded_file.read_text().splitlines() if "==" in line)
+    installed = {_normalize(d.metadata["Name"]): d.version for d in metadata.distributions()}
+    differ = sorted(f"{n} {installed.get(n, 'missing')} (recorded {v})" for n, v in recorded.items()
+                    if installed.get(n) != v)
+    rows.append(Check("packages as built", f"{len(recorded)} recorded in {recorded_file}",
+                      f"{len(recorded) - len(differ)} match" + (f"; differ: {', '.join(differ[:5])}" if differ else ""),
+                      _status(not differ, True)))
+    wanted = [m.group(1) for m in (re.match(r"^\s*([A-Za-z0-9._-]+)\s*(==|@)", line)
+                                   for line in lock.read_text().splitlines()) if m]
+    absent = [name for name in wanted if _normalize(name) not in installed]
+    differences = (record / "differences.txt").read_text().splitlines() if (record / "differences.txt").exists() else []
+    kept = [line for line in differences if line.endswith("(kept)")]
+    rows.append(Check("lock packages", f"{len(wanted)} of {lock} present",
+                      f"{len(wanted) - len(absent)} present" + (f"; absent: {', '.join(absent)}" if absent else "")
+                      + (f"; {len(kept)} at the base image's version ({record / 'differences.txt'})" if kept else ""),
+                      _status(not absent, True)))
+    missing = compat.missing_internals(compat.internals_for(target))
+    shown = ", ".join(missing[:3]) + (f" … ({len(missing)} in all)" if len(missing) > 3 else "")
+    rows.append(Check("torchtitan internals", f"those of torchtitan {compat.EXPECTED_TORCHTITAN} the pipeline uses",
+                      f"torchtitan {compat.torchtitan_version()}: " + (f"missing {shown}" if missing else "all present"),
+                      _status(not missing, True)))
+    if target == "trn2":
+        rows.append(check_neuron_python(target, Environment("the image"), in_image=True))
+    return rows
+
+
+def _normalize(name: str) -> str:
+    return _canonical(name)
 
 
 def table(rows: list[Check]) -> str:
@@ -281,13 +372,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--all-packages", action="store_true", help="list every pin, not only the ones that differ")
     parser.add_argument("--venv", type=Path, default=store.REPO / ".venv",
                         help="the environment the stages run in (default: the project's .venv)")
+    parser.add_argument("--in-container", action="store_true", default=_on(os.environ.get("IN_CONTAINER")),
+                        help="the stages run in the pipeline image (IN_CONTAINER=1): check the image, not this venv")
+    parser.add_argument("--image", default=os.environ.get("PIPELINE_IMAGE"), help="--in-container: the image")
+    parser.add_argument("--inside-image", action="store_true", help=argparse.SUPPRESS)  # the image's own half
+
+
+def _on(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes")
 
 
 def run(args: argparse.Namespace) -> list[Check]:
     target = targets.resolve(args.target).name
+    if getattr(args, "inside_image", False):
+        rows = inside_image_rows(target)
+        print(json.dumps([asdict(r) for r in rows]))
+        return rows
+    in_container = getattr(args, "in_container", False)  # callers that build args by hand may omit these
     rows = checks(target, args.lock or default_lock(target), packages="all" if args.all_packages else "problems",
-                  venv=getattr(args, "venv", store.REPO / ".venv"))  # callers that build args by hand may omit it
-    print(f"target: {target}")
+                  venv=getattr(args, "venv", store.REPO / ".venv"), in_container=in_container,
+                  image=getattr(args, "image", None))
+    print(f"target: {target}; stages run {'in the image' if in_container else 'in this environment'}")
     print(table(rows))
     failed = [r.name for r in rows if r.status == "FAIL"]
     if failed:

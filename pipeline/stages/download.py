@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import tomllib
 from pathlib import Path
@@ -22,6 +23,10 @@ from pipeline.run import store
 from pipeline.run.settings import CONFIG_DIR
 
 HUB_PATTERNS = ["*.safetensors", "*.json", "tokenizer*", "merges.txt", "vocab.json"]
+# Set (to 1) where a run must be reproducible, e.g. the trn2 CI workflow: a Hub revision that is not
+# a commit (a branch such as "main" moves) is then refused instead of warned about.
+REQUIRE_PINNED = "PIPELINE_REQUIRE_PINNED"
+COMMIT = re.compile(r"[0-9a-f]{40}")
 LOCAL_SUFFIXES = (".json", ".safetensors", ".txt", ".model", ".jinja")
 
 
@@ -81,7 +86,14 @@ def _revision(source: store.Source, asked: str | None) -> str | None:
     store.check_revision_applies(source, asked)
     if source.kind != "hub":
         return None
-    return asked or known_models().get(source.repo_id, {}).get("revision")
+    revision = asked or known_models().get(source.repo_id, {}).get("revision")
+    if os.environ.get(REQUIRE_PINNED, "0") not in ("", "0") and not COMMIT.fullmatch(revision or ""):
+        raise PipelineError(
+            f"{source.repo_id} would be downloaded at revision {revision or 'main'!r}, not a commit, and "
+            f"{REQUIRE_PINNED} is set.",
+            f"pin it in configs/models.toml: revision = the 40-hex sha printed by `python -c \"from huggingface_hub "
+            f"import model_info; print(model_info('{source.repo_id}').sha)\"` (or REVISION=<sha>).")
+    return revision
 
 
 def _download_hub(repo_id: str, revision: str) -> str:

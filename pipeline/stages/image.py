@@ -23,13 +23,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.errors import PipelineError
-from pipeline.run import store
-from pipeline.run.image import default_tag, lock_sha256
+from pipeline.run import store, targets
+from pipeline.run.image import DEFAULT_BASE_IMAGE, build_key, check_lock, default_tag, lock_sha256
 
-DEFAULT_BASE_IMAGE = "public.ecr.aws/neuron/pytorch-training-neuronx:2.14.0-neuronx-py314-sdk2.33.0-ubuntu26.04"
+# Where pip inside the base image finds what the lock adds (a user's PIP_INDEX_URL/PIP_EXTRA_INDEX_URL
+# wins): PyPI, then AWS's Neuron pip repository and PyTorch's CPU wheel index, as AWS's TorchNeuron
+# install pages give them (setup/pytorch/update-manual, 2.33). No CI-only variable is needed.
+NEURON_PIP_INDEXES = "https://pip.repos.neuron.amazonaws.com https://download.pytorch.org/whl/cpu"
+# What a stage in the image reads from the caller's environment (values never printed).
+PASSED_THROUGH = ("HF_TOKEN", "TARGET", "PIPELINE_REQUIRE_PINNED")
+WHEELHOUSE_RECORDS = ("requirements.hashed.txt", "image-packages.txt", "differences.txt", "lock.txt")
 IMAGE_CHECKPOINTS = "/checkpoints"
 IMAGE_HF_CACHE = "/hf-cache"
-IMAGE_COMPILE_CACHE = "/var/tmp/neuron-compile-cache"  # what targets.TARGETS["trn2"] points the compiler at
+# Where the image's TorchNeuron finds its NEFF cache (the Dockerfile's TORCH_NEURONX_NEFF_CACHE_DIR); the
+# host's persistent cache is bind-mounted there so a second run with the same shapes does not recompile.
+IMAGE_COMPILE_CACHE = targets.DEFAULT_NEFF_CACHE
 IMAGE_UID = 1000
 
 
@@ -85,19 +93,57 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_spec(args: argparse.Namespace) -> BuildSpec:
-    digest = lock_sha256(args.lock)
-    return BuildSpec(base_image=args.base_image, lock=Path(args.lock), tag=args.tag or default_tag(args.lock),
-                     wheelhouse=Path(args.wheelhouse or store.REPO / "build" / "wheelhouse" / digest[:12]),
+    key = build_key(args.lock, args.base_image)
+    return BuildSpec(base_image=args.base_image, lock=Path(args.lock),
+                     tag=args.tag or default_tag(args.lock, args.base_image),
+                     wheelhouse=Path(args.wheelhouse or store.REPO / "build" / "wheelhouse" / key),
                      python=args.python, pip_mounts=tuple(args.pip_mount))
+
+
+def pip_environment(environ: dict) -> dict:
+    """The PIP_* variables the wheelhouse container gets: the caller's, with the Neuron and PyTorch CPU
+    indexes added unless the caller chose its own."""
+    pip_env = {k: v for k, v in environ.items() if k.startswith("PIP_")}
+    if not any(k in pip_env for k in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_NO_INDEX")):
+        pip_env["PIP_EXTRA_INDEX_URL"] = NEURON_PIP_INDEXES
+    return pip_env
+
+
+def ensure_base(engine, base_image: str) -> None:
+    """Pull the base image when the engine does not have it, with the registry's progress."""
+    import docker
+
+    try:
+        engine.images.get(base_image)
+        return
+    except docker.errors.ImageNotFound:
+        pass
+    print(f"pulling the base image {base_image} (not in the engine yet; several GB the first time) …", flush=True)
+    last: dict[str, str] = {}
+    shown = 0.0
+    try:
+        for chunk in engine.api.pull(base_image, stream=True, decode=True):
+            if "error" in chunk:
+                raise PipelineError(f"pulling {base_image} failed: {chunk['error'].strip()}",
+                                    "check the image name, network and registry login (or pass BASE_IMAGE=).")
+            layer, status = chunk.get("id", ""), chunk.get("status", "")
+            if last.get(layer) != status or (chunk.get("progress") and time.monotonic() - shown > 5):
+                last[layer] = status
+                shown = time.monotonic()
+                print(f"  {layer + ': ' if layer else ''}{status} {chunk.get('progress', '')}".rstrip(), flush=True)
+    except docker.errors.APIError as err:
+        raise PipelineError(f"pulling {base_image} failed: {err.explanation or err}",
+                            "check the image name, network and registry login (or pass BASE_IMAGE=).") from err
+    engine.images.get(base_image)  # raises if the pull did not produce it
 
 
 def make_wheelhouse(spec: BuildSpec, engine) -> Path:
     """Wheels for the lock, made by pip inside the base image; the hashed list the Dockerfile installs."""
     hashed = spec.wheelhouse / "requirements.hashed.txt"
-    if hashed.exists():
-        return spec.wheelhouse
+    if all((spec.wheelhouse / name).exists() for name in WHEELHOUSE_RECORDS):
+        return spec.wheelhouse  # complete: made by this code for this lock and base
     spec.wheelhouse.mkdir(parents=True, exist_ok=True)
-    pip_env = {k: v for k, v in os.environ.items() if k.startswith("PIP_")}
+    pip_env = pip_environment(dict(os.environ))
     volumes = {str(spec.wheelhouse.resolve()): {"bind": "/wheels", "mode": "rw"},
                str(spec.lock.resolve()): {"bind": "/lock/requirements.lock", "mode": "ro"},
                str(store.REPO / "docker"): {"bind": "/pipeline-docker", "mode": "ro"}}
@@ -107,8 +153,9 @@ def make_wheelhouse(spec: BuildSpec, engine) -> Path:
                                                       "/lock/requirements.lock"],
                             volumes=volumes, environment=pip_env, user="0", network_mode="host")
     if code != 0 or not hashed.exists():
+        hashed.unlink(missing_ok=True)
         raise PipelineError(f"making the wheelhouse in {spec.base_image} failed (status {code}).",
-                            "read pip's error above; the base image needs a Python with venv and network or "
+                            "read pip's error above; the base image needs a Python with pip, and network or "
                             "--pip-mount'ed indexes.")
     return spec.wheelhouse
 
@@ -125,14 +172,16 @@ def build_context(spec: BuildSpec, out: Path) -> Path:
             if full.is_file() and not rel.startswith("wheels/"):
                 tar.add(full, arcname=rel, recursive=False)
         for wheel in sorted(spec.wheelhouse.iterdir()):
-            if wheel.suffix == ".whl" or wheel.name == "requirements.hashed.txt":
+            if wheel.suffix == ".whl" or wheel.name in WHEELHOUSE_RECORDS:
                 tar.add(wheel, arcname=f"wheels/{wheel.name}")
     return out
 
 
 def build(spec: BuildSpec, engine=None) -> dict:
+    check_lock(spec.lock)  # a placeholder or wildcard pin is refused before anything is pulled or built
     engine = engine or client()
     started = time.monotonic()
+    ensure_base(engine, spec.base_image)
     make_wheelhouse(spec, engine)
     with tempfile.TemporaryDirectory(prefix="pipeline-context-") as tmp:
         context = build_context(spec, Path(tmp) / "context.tar")
@@ -196,7 +245,8 @@ def run_in_image(request: ContainerRun, engine=None) -> int:
                str(request.hf_cache): {"bind": IMAGE_HF_CACHE, "mode": "rw"},
                str(request.compile_cache): {"bind": IMAGE_COMPILE_CACHE, "mode": "rw"}}
     # Only the name is ever printed; the value goes to the engine and nowhere else.
-    environment = {k: os.environ[k] for k in ("HF_TOKEN", "TARGET") if os.environ.get(k)}
+    environment = {k: os.environ[k] for k in PASSED_THROUGH if os.environ.get(k)}
+    environment[targets.NEFF_CACHE_ENV] = IMAGE_COMPILE_CACHE  # never a host path the container cannot see
     # The caller's own uid, so outputs on the mounts belong to them; root gets the image's user.
     user = None if os.geteuid() == 0 else f"{os.geteuid()}:{os.getegid()}"
     extra = {"cap_add": ["IPC_LOCK"], "ulimits": [_memlock_unlimited()]} if request.devices else {}
@@ -239,7 +289,7 @@ def stream_container(engine, image: str, command: list[str], **kwargs) -> int:
 
 def run(args: argparse.Namespace):
     if args.run is not None:
-        image = args.image or args.tag or default_tag(args.lock)
+        image = args.image or args.tag or default_tag(args.lock, args.base_image)
         code = run_in_image(container_run(image, args.run))
         if code != 0:
             # The stage inside already printed its own error; keep its exact status.

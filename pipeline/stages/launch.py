@@ -94,7 +94,7 @@ def node_command(spec: RunSpec, python: str, run_json: str) -> str:
 
 
 def _env_lines(plan_: LaunchPlan) -> dict:
-    return {**targets.TARGETS["trn2"].env, **EFA_ENV, "NEURON_COMPILE_CACHE_URL": plan_.compile_cache,
+    return {**targets.TARGETS["trn2"].env, **EFA_ENV, targets.NEFF_CACHE_ENV: plan_.compile_cache,
             "PIPELINE_CHECKPOINTS": plan_.cluster_checkpoints, "PYTHONUNBUFFERED": "1"}
 
 
@@ -127,7 +127,7 @@ MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
 export MASTER_ADDR
 export MASTER_PORT={RDZV_PORT}
 export RDZV_ID="$SLURM_JOB_ID"
-mkdir -p "$NEURON_COMPILE_CACHE_URL"
+mkdir -p "${targets.NEFF_CACHE_ENV}"
 
 # Quoted heredoc: ${{MASTER_ADDR}} and friends expand on each node, not here.
 NODE_CMD="$(cat <<'NODE'

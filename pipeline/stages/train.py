@@ -22,6 +22,7 @@ from pipeline.errors import PipelineError
 from pipeline.models import registry
 from pipeline.run import targets
 from pipeline.run.rundir import RunDir
+from pipeline.titan import compat
 from pipeline.training import torchrun
 from pipeline.training.resolve import RunRequest, resolve
 
@@ -80,14 +81,18 @@ class RunLock:
 
 
 def run(args: argparse.Namespace):
+    target = targets.resolve(args.target)
     if not args.dry_run:
-        targets.check_launchable(targets.resolve(args.target))
+        targets.check_launchable(target)
+    # The ranks build torchtitan's internals: a torchtitan without them is refused here, in one line.
+    compat.check_torchtitan(target.name)
     spec = resolve(request(args))
     target = targets.TARGETS[spec.target]
     command = torchrun.command(spec)
-    env_prefix = " ".join(f"{k}={v}" for k, v in target.env.items())
+    env_prefix = " ".join(f"{k}={v}" for k, v in target.launch_vars(dict(os.environ)).items())
     if args.dry_run:
         print(json.dumps(spec.to_dict(), indent=2))
+        print(memory_line(spec))
         print("launch command:")
         print(" ".join(part for part in (env_prefix, shlex.join(command)) if part))
         return spec
@@ -98,11 +103,19 @@ def run(args: argparse.Namespace):
                 if item != run_dir.lock:
                     shutil.rmtree(item) if item.is_dir() and not item.is_symlink() else item.unlink()
         spec.save()
+        print(memory_line(spec), flush=True)
         print(f"launching {spec.path} on {spec.target}: {shlex.join(command)}", flush=True)
-        result = subprocess.run(command, env={**os.environ, **target.env, "PYTHONUNBUFFERED": "1"})
+        result = subprocess.run(command, env={**target.launch_env(dict(os.environ)), "PYTHONUNBUFFERED": "1"})
     if result.returncode != 0:
         raise PipelineError(_failure(result.returncode, run_dir), "read the first error in the rank logs above.")
     return spec
+
+
+def memory_line(spec) -> str:
+    m = spec.memory
+    parts = ", ".join(f"{k} {v:.2f}" for k, v in m["parts_gib"].items())
+    against = f" of {m['capacity_gib']:.0f} GiB ({m['usable_gib']:.1f} usable)" if m["capacity_gib"] else ""
+    return f"memory per rank (estimate): {m['total_gib']:.2f} GiB{against}: {parts} GiB; {m['notes'][0]}"
 
 
 def _failure(code: int, run: RunDir) -> str:

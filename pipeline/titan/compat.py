@@ -5,13 +5,21 @@ targets that need it. Nothing here edits site-packages; each item says why it ex
 be deleted when upstream (or torchtitan-neuron) no longer needs it. The CPU-only model overrides
 (dense-mask attention, loop experts) are not patches: they go through torchtitan's override
 registry, see `pipeline/models/cpu_overrides.py`.
+
+Every private torchtitan name the pipeline uses is reached through this module only
+(TORCHTITAN_INTERNALS lists them). `check_torchtitan()` runs in the launcher before any rank
+starts: on a torchtitan without one of them (torchtitan-neuron "0.2.2+neuron.1" may be such a
+one), one line names what is missing and the version it was written against.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import resource
 import shlex
 import sys
+from dataclasses import dataclass
 
 from pipeline.errors import PipelineError
 
@@ -19,15 +27,13 @@ _applied: set[str] = set()
 
 
 def apply(target: str) -> None:
-    if target != "cpu" or "cpu" in _applied:
+    if target in _applied or target not in _GLUE:
         return
     if "torchtitan" in sys.modules:
-        raise RuntimeError("titan_glue.apply('cpu') must run before torchtitan is imported")
-    _select_cpu_device()
-    _cpu_memory_monitor()
-    _gloo_sum_reductions()
-    _cpu_barrier()
-    _applied.add("cpu")
+        raise RuntimeError(f"compat.apply({target!r}) must run before torchtitan is imported")
+    for glue in _GLUE[target]:
+        glue()
+    _applied.add(target)
 
 
 def _select_cpu_device() -> None:
@@ -176,3 +182,250 @@ def _tyro_suggestion(report: str) -> str | None:
             flag = lines[number + 1].split()[0]
             return flag if flag.startswith("--") else None
     return None
+
+
+class SynchronizedMemoryMonitor:
+    """torchtitan's DeviceMemoryMonitor with the device synchronized before every read or reset.
+
+    TorchNeuron executes asynchronously: "call torch.neuron.synchronize() before you read any memory
+    statistic" (torch/guides/memory-profiling-guide, shared/notes/neuron.md); read without it, the
+    peak lags behind the step it is logged for.
+    """
+
+    def __init__(self, inner, synchronize) -> None:
+        self._inner, self._synchronize = inner, synchronize
+
+    def get_peak_stats(self):
+        self._synchronize()
+        return self._inner.get_peak_stats()
+
+    def reset_peak_stats(self) -> None:
+        self._synchronize()
+        self._inner.reset_peak_stats()
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def _neuron_memory_monitor() -> None:
+    import torchtitan.components.metrics as metrics
+
+    build = metrics.build_device_memory_monitor
+
+    def synchronized_monitor():
+        import torch
+
+        return SynchronizedMemoryMonitor(build(), torch.neuron.synchronize)
+
+    metrics.build_device_memory_monitor = synchronized_monitor
+
+
+# What each target needs before torchtitan is imported (targets without an entry need nothing).
+_GLUE = {
+    "cpu": (_select_cpu_device, _cpu_memory_monitor, _gloo_sum_reductions, _cpu_barrier),
+    "trn2": (_neuron_memory_monitor,),
+}
+
+
+# ---- private torchtitan internals: the only place the pipeline names them ------------------------
+
+# The torchtitan these internals were read from (requirements-dev.lock); the image's torchtitan-neuron
+# must have them too, which check_torchtitan() verifies before anything is launched.
+EXPECTED_TORCHTITAN = "0.3.0"
+
+
+@dataclass(frozen=True)
+class Internal:
+    module: str
+    name: str  # attribute path inside the module ("Class.method")
+    why: str
+    parameter: str | None = None  # a keyword the callable must accept
+
+    @property
+    def qualname(self) -> str:
+        return f"{self.module}.{self.name}" + (f"({self.parameter}=)" if self.parameter else "")
+
+
+TORCHTITAN_INTERNALS = (
+    # torchtitan ships Qwen3 only as named flavors; these builders make layers with a checkpoint's own
+    # shapes and keep torchtitan's layer and init conventions (models/native.py).
+    Internal("torchtitan.models.qwen3", "_build_qwen3_layers", "dense Qwen3 layers from config.json"),
+    Internal("torchtitan.models.qwen3", "_build_qwen3_moe_layers", "MoE Qwen3 layers from config.json"),
+    Internal("torchtitan.models.qwen3", "_qwen3_norm", "Qwen3's RMSNorm config"),
+    Internal("torchtitan.models.qwen3", "_EPS", "Qwen3's RMSNorm eps (checked against config.json)"),
+    Internal("torchtitan.models.qwen3", "_EMBEDDING_INIT", "embedding init of untied models"),
+    Internal("torchtitan.models.qwen3", "_EMBEDDING_SKIP_INIT", "embedding init of tied models"),
+    Internal("torchtitan.models.qwen3", "_LINEAR_INIT", "lm_head init"),
+    # The override registry exposes registration only through this dict (models/override_check.py).
+    Internal("torchtitan.config.override", "_REGISTRY", "look up an @override by its import name"),
+    # FQNs from the Trainer.Config root, as torchtitan matches overrides (models/override_check.py).
+    Internal("torchtitan.config.configurable", "Configurable.Config.traverse", "override FQNs from the config root",
+             parameter="_prefix"),
+    # The checkpointer has no public hook after a save or a load (titan/trainer.py's weights file).
+    Internal("torchtitan.components.checkpoint", "CheckpointManager._save", "write model weights after each save"),
+    Internal("torchtitan.components.checkpoint", "CheckpointManager._load", "repair a missing weights file on resume"),
+    Internal("torchtitan.components.checkpoint", "CheckpointManager._find_load_step", "the step a resume loads"),
+    Internal("torchtitan.components.checkpoint", "CheckpointManager._create_checkpoint_id", "a step's folder"),
+    # A router setting outside router_topk's contract (models/nki/overrides.py).
+    Internal("torchtitan.models.common.moe", "TokenChoiceTopKRouter.Config._debug_force_load_balance",
+             "refuse a router the NKI kernel cannot run"),
+)
+
+
+# What apply(target)'s glue patches, checked with the rest for that target.
+GLUE_INTERNALS = {
+    "cpu": (
+        Internal("torch._utils", "_get_available_device_type", "answer 'cpu' as torchtitan's device"),
+        Internal("torch.distributed.fsdp._fully_shard._fsdp_collectives", "_get_gradient_divide_factors",
+                 "plain SUM reductions on gloo"),
+        Internal("torchtitan.components.metrics", "build_device_memory_monitor", "CPU memory statistics"),
+        Internal("torchtitan.distributed.utils", "set_pg_timeouts", "a gloo barrier without device ids"),
+    ),
+    "trn2": (Internal("torchtitan.components.metrics", "build_device_memory_monitor",
+                      "synchronize before memory statistics"),),
+}
+
+
+def internals_for(target: str) -> tuple[Internal, ...]:
+    return TORCHTITAN_INTERNALS + GLUE_INTERNALS.get(target, ())
+
+
+def _resolve(internal: Internal):
+    obj = importlib.import_module(internal.module)
+    for part in internal.name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def missing_internals(internals=TORCHTITAN_INTERNALS) -> list[str]:
+    """The internals this torchtitan lacks (a module that cannot be imported counts as lacking)."""
+    missing = []
+    for internal in internals:
+        try:
+            obj = _resolve(internal)
+            if internal.parameter and internal.parameter not in inspect.signature(obj).parameters:
+                missing.append(internal.qualname)
+        except (ImportError, AttributeError):
+            missing.append(internal.qualname)
+        except Exception as err:  # noqa: BLE001 - a module failing on import is a missing internal too
+            missing.append(f"{internal.qualname} (import failed: {type(err).__name__})")
+    return missing
+
+
+def torchtitan_version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("torchtitan")
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def check_torchtitan(target: str, internals=None) -> None:
+    """Refuse, in one line, a torchtitan without the internals this pipeline uses, in the launching
+    process before any rank starts. Cheap on the version they were read from (its metadata says so,
+    and the test suite checks every one of them on it); any other version is imported and checked."""
+    from pipeline.errors import PipelineError
+
+    if internals is None:
+        if torchtitan_version() == EXPECTED_TORCHTITAN:
+            return
+        internals = internals_for(target)
+    missing = missing_internals(internals)
+    if missing:
+        raise PipelineError(
+            f"torchtitan {torchtitan_version()} lacks {len(missing)} internal(s) this pipeline uses: "
+            f"{', '.join(missing)} (written against torchtitan {EXPECTED_TORCHTITAN}).",
+            f"install torchtitan=={EXPECTED_TORCHTITAN} (requirements-dev.lock), or port pipeline/titan/compat.py "
+            "to this version.")
+
+
+# Accessors: the pipeline's modules call these, never the private names themselves.
+
+def qwen3_layers(**kwargs):
+    from torchtitan.models import qwen3
+
+    return qwen3._build_qwen3_layers(**kwargs)
+
+
+def qwen3_moe_layers(**kwargs):
+    from torchtitan.models import qwen3
+
+    return qwen3._build_qwen3_moe_layers(**kwargs)
+
+
+def qwen3_norm(dim: int):
+    from torchtitan.models import qwen3
+
+    return qwen3._qwen3_norm(dim)
+
+
+def qwen3_eps() -> float:
+    from torchtitan.models import qwen3
+
+    return qwen3._EPS
+
+
+def qwen3_inits(tied: bool) -> dict:
+    """torchtitan's Qwen3 parameter inits: the embedding's (skipped when tied to the lm_head) and the lm_head's."""
+    from torchtitan.models import qwen3
+
+    return {"embedding": qwen3._EMBEDDING_SKIP_INIT if tied else qwen3._EMBEDDING_INIT, "lm_head": qwen3._LINEAR_INIT}
+
+
+def registered_override(name: str):
+    """The torchtitan Override registered under `module.function`, or None."""
+    override = importlib.import_module("torchtitan.config.override")  # the module, not the decorator
+    return override._REGISTRY.get(name)
+
+
+def traverse(config, config_cls: type, prefix: str, recurse: bool = False):
+    """config.traverse with FQNs rooted at `prefix` (as torchtitan's override matching sees them)."""
+    return config.traverse(config_cls, recurse=recurse, _prefix=prefix)
+
+
+def router_forces_load_balance(router_config) -> bool:
+    return bool(router_config._debug_force_load_balance)
+
+
+def checkpoint_manager_base():
+    """torchtitan's CheckpointManager with two public hooks, `after_save(step)` and `after_load(step)`,
+    plus `step_folder(step)`; titan/trainer.py subclasses this instead of overriding private methods."""
+    global _HOOKED
+    if _HOOKED is None:
+        _HOOKED = _make_hooked_checkpoint_manager()
+    return _HOOKED
+
+
+_HOOKED = None
+
+
+def _make_hooked_checkpoint_manager():
+    from torchtitan.components.checkpoint import CheckpointManager
+
+    class HookedCheckpointManager(CheckpointManager):
+        @dataclass(kw_only=True, slots=True)
+        class Config(CheckpointManager.Config):
+            pass
+
+        def _save(self, curr_step: int, last_step: bool = False) -> bool:
+            saved = super()._save(curr_step, last_step)
+            if saved:
+                self.after_save(curr_step)
+            return saved
+
+        def _load(self, step: int = -1) -> bool:
+            loaded = super()._load(step)
+            self.after_load(self._find_load_step() if step == -1 else step, loaded)
+            return loaded
+
+        def step_folder(self, step: int) -> str:
+            return self._create_checkpoint_id(step)
+
+        def after_save(self, step: int) -> None:
+            pass
+
+        def after_load(self, step: int, loaded: bool) -> None:
+            pass
+
+    return HookedCheckpointManager

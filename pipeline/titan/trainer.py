@@ -15,13 +15,14 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from torchtitan.components.checkpoint import MODEL, CheckpointManager
+from torchtitan.components.checkpoint import MODEL
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from pipeline.run import rundir
 from pipeline.run.rundir import RunDir
+from pipeline.titan import compat
 
 # Wall-clock marks (time.time()) of one rank's start-up, for the time-to-first-step benchmark:
 # training.entry sets entry/imported/built, the checkpointer sets loaded, step 1 writes the file.
@@ -48,6 +49,9 @@ class JsonlMetricsProcessor(MetricsProcessor):
         jsonl_path: str = ""
         peak_flops_per_rank: float = 0.0
         memory_kind: str = "device"
+        flops_per_token: int = 0
+        """Qwen3Arch.flops_per_token(seq_len): the same count whatever path implements the model
+        (0: the model config's own get_nparams_and_flops)."""
 
     def __init__(self, config: Config, **kwargs):
         super().__init__(config, **kwargs)
@@ -55,19 +59,31 @@ class JsonlMetricsProcessor(MetricsProcessor):
         self.is_writer = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
         self.world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
+    def throughput(self, elapsed: float) -> tuple[float, float]:
+        """(tokens/s of the whole job, tokens/s per rank). ntokens_since_last_log is this rank's own
+        batch, which every rank of its TP/CP/PP group shares: per rank it is divided by the non-data-
+        parallel size, exactly as torchtitan's MetricsProcessor.log computes `tps`; the job's rate is
+        that per-rank rate times the world size (= this rank's tokens × data-parallel ranks / s)."""
+        per_rank = self.ntokens_since_last_log / (elapsed * self.parallel_dims.non_data_parallel_size)
+        return per_rank * self.world_size, per_rank
+
     def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
         elapsed = time.perf_counter() - self.time_last_log
-        tokens_per_rank = self.ntokens_since_last_log / self.parallel_dims.non_data_parallel_size
         memory = self.device_memory_monitor.get_peak_stats()
-        tps_rank = tokens_per_rank / elapsed
+        tokens_per_s, tps_rank = self.throughput(elapsed)
+        if self.config.flops_per_token:
+            # torchtitan's own console/TensorBoard MFU (super().log) then uses the same count.
+            self.num_flops_per_token = self.config.flops_per_token
+        flops_per_token = self.num_flops_per_token
         record = {
             "step": step,
             "loss": global_avg_loss,
             "grad_norm": grad_norm,
             "step_time_s": elapsed / self.config.log_freq,
-            "tokens_per_s": tps_rank * self.world_size / self.parallel_dims.non_data_parallel_size,
+            "tokens_per_s": tokens_per_s,
             "tokens_per_s_per_rank": tps_rank,
-            "mfu": 100 * self.num_flops_per_token * tps_rank / self.gpu_peak_flops,
+            "mfu": 100 * flops_per_token * tps_rank / self.gpu_peak_flops,
+            "flops_per_token": flops_per_token,
             "peak_flops_per_rank": self.gpu_peak_flops,
             "memory_gib": memory.max_reserved_gib,
             "memory_kind": self.config.memory_kind,
@@ -86,30 +102,24 @@ class JsonlMetricsProcessor(MetricsProcessor):
                         json.dumps({**TIMINGS, "step1": record["time"]}) + "\n")
 
 
-class WeightsCheckpointManager(CheckpointManager):
+class WeightsCheckpointManager(compat.checkpoint_manager_base()):
     """torchtitan's DCP checkpointer that also writes step-N/model_weights.safetensors (see
     pipeline.run.rundir.WEIGHTS): renamed into place after DCP's .metadata, so a step with it is a
     complete checkpoint; a kill between the two is repaired when that step is resumed."""
 
     @dataclass(kw_only=True, slots=True)
-    class Config(CheckpointManager.Config):
+    class Config(compat.checkpoint_manager_base().Config):
         pass
 
-    def _save(self, curr_step: int, last_step: bool = False) -> bool:
-        saved = super()._save(curr_step, last_step)
-        if saved:
-            self._save_weights(curr_step)
-        return saved
+    def after_save(self, step: int) -> None:
+        self._save_weights(step)
 
-    def _load(self, step: int = -1) -> bool:
-        loaded = super()._load(step)
-        resumed = self._find_load_step() if step == -1 else step
-        if loaded and resumed >= 0 and not (Path(self._create_checkpoint_id(resumed)) / rundir.WEIGHTS).exists():
+    def after_load(self, step: int, loaded: bool) -> None:
+        if loaded and step >= 0 and not (Path(self.step_folder(step)) / rundir.WEIGHTS).exists():
             # Killed after DCP finished this step but before its weights file: the resumed
             # run may never save this step again (e.g. it was the last), so write it now.
-            self._save_weights(resumed)
+            self._save_weights(step)
         TIMINGS["loaded"] = time.time()
-        return loaded
 
     @torch.no_grad()
     def _save_weights(self, step: int) -> None:
@@ -127,7 +137,7 @@ class WeightsCheckpointManager(CheckpointManager):
             if rank0:
                 full[key] = value.detach().to("cpu", copy=True).contiguous()
         if rank0:
-            directory = Path(self._create_checkpoint_id(step))
+            directory = Path(self.step_folder(step))
             directory.mkdir(parents=True, exist_ok=True)
             tmp = directory / f".{rundir.WEIGHTS}.tmp"
             save_file(full, str(tmp), metadata={"format": "pt", "step": str(step), "keys": "torchtitan"})

@@ -53,6 +53,7 @@ def build_config(spec: RunSpec):
             enable_tensorboard=s.tensorboard,
             jsonl_path=str(run_dir / rundir.METRICS),
             peak_flops_per_rank=spec.peak_flops_per_rank or 0.0,
+            flops_per_token=spec.arch.flops_per_token(s.seq_len),
             memory_kind=MEMORY_KIND[spec.target],
             disable_color_printing=True,
         ),

