@@ -72,8 +72,8 @@ def moe_cte_inputs(x_RD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDF: torch.Tenso
     experts = w1_EFD.shape[0]
     dtype = x_RD.dtype
     hidden = torch.cat([x_RD, x_RD.new_zeros(1, dim)])
-    one_hot = F.one_hot(layout.expert_of_row, experts).to(dtype)
-    affinities = torch.cat([one_hot, one_hot.new_zeros(1, experts)]).reshape(-1, 1)
+    # one-hot by scatter: F.one_hot checks its values on the host, which tracing cannot do
+    affinities = x_RD.new_zeros(rows + 1, experts).scatter(1, layout.expert_of_row.view(-1, 1), 1.0).reshape(-1, 1)
     gate_up = torch.stack([w1_EFD.to(dtype).transpose(1, 2), w3_EFD.to(dtype).transpose(1, 2)], dim=2)
     return {
         "hidden_states": hidden,
@@ -100,9 +100,10 @@ def moe_cte_reference(hidden_states: torch.Tensor, expert_affinities_masked: tor
     affinity = expert_affinities_masked.view(total, experts)
     out = hidden_states.new_zeros(total, hidden)
     for b in range(blocks):
-        rows, expert = ids[b], block_expert[b]
-        gate_up = hidden_states[rows] @ gate_up_proj_weight[expert].reshape(hidden, 2 * inter)
+        # index_select with a [1] index: indexing by a 0-d tensor would read its value on the host
+        rows, expert = ids[b], block_expert[b:b + 1]
+        gate_up = hidden_states[rows] @ gate_up_proj_weight.index_select(0, expert)[0].reshape(hidden, 2 * inter)
         h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = (h @ down_proj_weight[expert]) * affinity[rows, expert].unsqueeze(1)
+        y = (h @ down_proj_weight.index_select(0, expert)[0]) * affinity.index_select(1, expert)[rows]
         out = out.index_add(0, rows, y)
     return out
