@@ -233,7 +233,40 @@ def test_rope_hf_kernel_matches_reference_in_simulator(monkeypatch):
 
     q, k, cache = rope_inputs(seq=256, dim=128, per_batch=False)
     q, k = q.detach(), k.detach()
-    q_out, k_out = nki.simulate(neuron_kernels.rope_hf)(q, k, torch.empty_like(q), torch.empty_like(k), rope_cache=cache)
+    q_out, k_out = nki.simulate(neuron_kernels.rope_hf[2])(q, k, torch.empty_like(q), torch.empty_like(k), rope_cache=cache)
     ref_q, ref_k = ops.rope_reference(q, k, cache, False)
     torch.testing.assert_close(q_out, ref_q, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(k_out, ref_k, atol=1e-4, rtol=1e-4)
+
+
+@needs_nki
+def test_router_topk_kernel_matches_reference_in_simulator():
+    import nki
+
+    from pipeline.models.nki import neuron_kernels
+
+    x, w = (t.detach() for t in router_inputs(tokens=256))
+    x, w = torch.nn.functional.pad(x, (0, 112)), torch.nn.functional.pad(w, (0, 112))  # H a multiple of 128
+    logits, index = nki.simulate(neuron_kernels.router_topk_kernel[2])(x, w.T.contiguous(), 2, True)
+    want_logits, want_ids = ops.router_reference(x, w, 2)
+    torch.testing.assert_close(torch.as_tensor(logits), want_logits, atol=1e-4, rtol=1e-4)
+    assert torch.equal(torch.as_tensor(index).long().sort(1).values, want_ids.sort(1).values)
+
+
+@needs_nki
+def test_moe_cte_matches_reference_in_simulator():
+    import nki
+
+    from pipeline.models.nki import neuron_kernels
+
+    gen = torch.Generator().manual_seed(5)
+    counts = torch.tensor([300, 0, 1, 100, 7, 60, 0, 44])  # 512 rows over 8 experts, two empty
+    rows, dim, inter = int(counts.sum()), 512, 2048
+    x = torch.randn(rows, dim, generator=gen).bfloat16()
+    w1, w3 = (torch.randn(8, inter, dim, generator=gen).mul(dim ** -0.5).bfloat16() for _ in range(2))
+    w2 = torch.randn(8, dim, inter, generator=gen).mul(inter ** -0.5).bfloat16()
+    inputs = layout.moe_cte_inputs(x, w1, w2, w3, layout.blockwise_layout(counts, rows, MOE_BLOCK_SIZE))
+    got = nki.simulate(neuron_kernels.moe_cte_shard_on_i[2])(**inputs, block_size=MOE_BLOCK_SIZE)
+    want = layout.moe_cte_reference(**{k: (v.float() if v.is_floating_point() else v) for k, v in inputs.items()},
+                                    block_size=MOE_BLOCK_SIZE)
+    torch.testing.assert_close(torch.as_tensor(got)[:rows].float(), want[:rows], atol=2e-2, rtol=2e-2)

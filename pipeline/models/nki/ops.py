@@ -12,7 +12,7 @@ its own fake kernel (what nki_op does), so each body is written to be traceable:
 host syncs.
 
 COUNTS records real (non-fake) invocations per op; with PIPELINE_NKI_OP_COUNTS=<dir> set, each
-process writes them to <dir>/rank<RANK>.json at exit (tests prove the path ran). Under
+process that counted any writes them to <dir>/rank<RANK>.json at exit (tests prove the path ran). Under
 torch.compile on neuron the bodies run only while tracing, so counts there mean nothing.
 """
 
@@ -43,9 +43,10 @@ def _count(name: str, t: torch.Tensor) -> None:
 
 def _write_counts() -> None:
     directory = os.environ.get(COUNTS_DIR_ENV)
-    if directory:
+    if directory and COUNTS:  # the launcher imports this module too, and counts nothing
+        name = f"rank{os.environ['RANK']}" if "RANK" in os.environ else f"pid{os.getpid()}"
         Path(directory).mkdir(parents=True, exist_ok=True)
-        Path(directory, f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(dict(COUNTS)))
+        Path(directory, f"{name}.json").write_text(json.dumps(dict(COUNTS)))
 
 
 atexit.register(_write_counts)
