@@ -44,7 +44,7 @@ class Case:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", help="cpu or trn2 (trn2 runs the NKI kernels on `neuron`)")
+    parser.add_argument("--target", help="cpu or trn2 (trn2 runs the NKI kernels on `neuron`; detected when unset)")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--overrides", default="", help="comma-separated overrides to check (default: all)")
 
@@ -269,6 +269,7 @@ def table(rows: list[dict]) -> str:
 def run(args: argparse.Namespace) -> list[dict]:
     from pipeline.models.nki import kernels
     from pipeline.models.nki.declarations import BY_FUNCTION
+    from pipeline.run import targets
 
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     unknown = [d for d in dtypes if d not in THRESHOLDS]
@@ -282,7 +283,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     selected = [c for c in cases(lnc) if c.override in chosen]
     rows = verify(selected, dtypes)
     reason = kernels.nki_unavailable_reason()
-    if reason is None and args.target != "trn2":
+    if reason is None and targets.resolve(args.target).name != "trn2":  # detected when --target is unset
         reason = "the target is not trn2 (the kernels run on `neuron` devices: --target trn2)"
     if reason is None:
         rows += verify(selected, dtypes, device="neuron", use_nki=True)

@@ -23,7 +23,8 @@ class NkiRoPE(CosSinRoPE):
 
     def forward(self, query, key, positions=None):
         q_BSHD, k_BSHD = adapters.local(query), adapters.local(key)
-        cache = adapters.rope_cache_for(self.cache, q_BSHD.shape[0], q_BSHD.shape[1], adapters.local(positions))
+        cache = adapters.rope_cache_for(adapters.local(self.cache), q_BSHD.shape[0], q_BSHD.shape[1],
+                                        adapters.local(positions))
         q, k = ops.rope_hf(adapters.bshd_to_bhsd(q_BSHD), adapters.bshd_to_bhsd(k_BSHD), cache, False,
                            self.config.use_nki)
         return adapters.like(query, adapters.bhsd_to_bshd(q)), adapters.like(key, adapters.bhsd_to_bshd(k))
