@@ -37,7 +37,7 @@ def test_every_row_passes_against_its_independent_implementation(capsys):
         assert f"{REFERENCES[override]} (float32)" in row and row.endswith("PASS")
     if kernels.nki_unavailable_reason() is not None:  # says so, rather than passing silently
         assert f"NKI kernels NOT run here: {kernels.nki_unavailable_reason()}" in out
-        assert all(row.split()[3] == "reference" for row in rows)
+        assert all(" reference " in row for row in rows)  # the runs column
 
 
 def _rope_turning_backwards(original):
