@@ -1,11 +1,17 @@
-"""Stage `verify-kernels`: every nki override vs the module it replaces and vs float32.
+"""Stage `verify-kernels`: every nki override against an independent implementation, in float32.
 
-For each override, on fresh random inputs of several valid shapes and each dtype: forward
-outputs and input/weight gradients of the replacement module against torchtitan's module it
-replaces (same dtype) and against that module run in float32. Prints a table of max abs / max
-rel error with the pass threshold per dtype; a failing row is a non-zero exit. The NKI kernels
-themselves run only where `nki` imports (trn2 or the NKI simulator); elsewhere the table says so
-and the reference dispatch of the same operators is what gets checked.
+Each case draws seeded float32 inputs at shapes its kernel accepts on trn2 at the target's LNC
+(RoPE's sequence a multiple of 128 × LNC; the router beyond router_topk's 2048-token range, which
+the op tiles; experts inside moe_cte's ranges) and compares the replacement's outputs and input and
+weight gradients with an implementation that shares no code with it, run in float32:
+- nki_rope vs torchtitan's CosSinRoPE, with packed per-document positions (as training gives them);
+- nki_router vs torchtitan's TokenChoiceTopKRouter, the module it replaces;
+- nki_experts (inside torchtitan's RoutedExperts: dispatch, experts, combine) vs transformers' own
+  Qwen3MoeExperts (per-expert SwiGLU over the same routing).
+The replacement runs at each --dtypes dtype (the same float32 values, cast); a row passes when its
+largest error relative to the reference's largest magnitude is within the threshold of the
+precision it computed in. Any FAIL row exits non-zero. The NKI kernels run where `nki` imports
+(trn2: device `neuron`); elsewhere the table says so and checks each op's reference dispatch.
 """
 
 from __future__ import annotations
@@ -16,176 +22,276 @@ from dataclasses import dataclass
 
 from pipeline.errors import PipelineError
 
-# max error relative to the reference's largest magnitude, per dtype of the checked run
+# max error relative to the reference's largest magnitude, by the precision the replacement computed in
 THRESHOLDS = {"float32": 1e-5, "bfloat16": 2e-2}
+# moe_cte computes in bfloat16 whatever its inputs (compute_dtype default, moe_cte.py)
+KERNEL_COMPUTE_DTYPE = {"moe_cte": "bfloat16"}
+# Below float32 the top-k *choice* among near-equal scores is not defined (rounding reorders near
+# ties), so those rows compare the quantities that do not depend on it.
+CHOICE_DEPENDENT = {"topk_scores", "ids", "dx", "dgate"}
 
 
 @dataclass(frozen=True)
 class Case:
     override: str
+    kernel: str
     shape: str
-    build: Callable  # (dtype, device, use_nki, seed) -> {name: tensor} of outputs and grads
+    reference_name: str
+    inputs: Callable  # (seed) -> {name: float32 tensor}
+    replacement: Callable  # (inputs, dtype, device, use_nki) -> {name: tensor}
+    reference: Callable  # (inputs) -> {name: float32 tensor}
+    dims: dict  # the quantities constraints.KERNEL_RULES[kernel] checks, at this shape
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", help="cpu or trn2 (trn2 runs the NKI kernels on `neuron`)")
+    parser.add_argument("--target", help="cpu or trn2 (trn2 runs the NKI kernels on `neuron`; detected when unset)")
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--overrides", default="", help="comma-separated overrides to check (default: all)")
 
 
-def _seeded(seed: int):
+def _gen(seed: int):
     import torch
 
     return torch.Generator().manual_seed(seed)
 
 
-def _fill(module, gen) -> None:
+def _leaf(t, dtype, device):
+    """A fresh copy that collects its own gradient (never the shared input itself)."""
+    return t.detach().to(device=device, dtype=dtype, copy=True).requires_grad_(True)
+
+
+# ---- RoPE --------------------------------------------------------------------------------------
+
+def _packed_positions(batch: int, seq: int, gen):
+    """Per-row positions of packed documents, each restarting at 0 (torchtitan's HF loader)."""
     import torch
 
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    rows = []
+    for _ in range(batch):
+        cuts = sorted(torch.randperm(seq - 1, generator=gen)[:3].add(1).tolist())
+        rows.append(torch.cat([torch.arange(b - a) for a, b in zip([0, *cuts], [*cuts, seq])]))
+    return torch.stack(rows)
 
 
-def _rope_case(b, s, h, d):
-    def run(dtype, device, use_nki, seed, replaced: bool):
+def _rope_case(b: int, s: int, hq: int, hkv: int, d: int, lnc: int, theta: float = 5e6) -> Case:
+    def inputs(seed):
+        import torch
+
+        gen = _gen(seed)
+        return {"q": torch.randn(b, s, hq, d, generator=gen), "k": torch.randn(b, s, hkv, d, generator=gen),
+                "gq": torch.randn(b, s, hq, d, generator=gen), "gk": torch.randn(b, s, hkv, d, generator=gen),
+                "positions": _packed_positions(b, s, gen)}
+
+    def run(cls, extra, inp, dtype, device):
+        import torch
+
+        mod = cls(cls.Config(dim=d, max_seq_len=s, theta=theta, **extra)).to(device)
+        leaves = {n: _leaf(inp[n], dtype, device) for n in ("q", "k")}
+        oq, ok = mod(leaves["q"], leaves["k"], inp["positions"].to(device))
+        torch.autograd.backward([oq, ok], [inp["gq"].to(device, dtype), inp["gk"].to(device, dtype)])
+        return {"q": oq, "k": ok, "dq": leaves["q"].grad, "dk": leaves["k"].grad}
+
+    def replacement(inp, dtype, device, use_nki):
+        from pipeline.models.nki.modules import NkiRoPE
+
+        return run(NkiRoPE, {"use_nki": use_nki}, inp, dtype, device)
+
+    def reference(inp):
         import torch
         from torchtitan.models.common.rope import CosSinRoPE
 
-        from pipeline.models.nki.modules import NkiRoPE
+        return run(CosSinRoPE, {}, inp, torch.float32, "cpu")
 
-        cls = NkiRoPE if replaced else CosSinRoPE
-        cfg = cls.Config(dim=d, max_seq_len=2 * s, theta=1e6, **({"use_nki": use_nki} if replaced else {}))
-        mod = cls(cfg).to(device)
-        gen = _seeded(seed)
-        q, k = (torch.randn(b, s, n, d, generator=gen) for n in (h, max(h // 2, 1)))
-        gq, gk = torch.randn(q.shape, generator=gen), torch.randn(k.shape, generator=gen)
-        q, k = (t.to(device, dtype).requires_grad_(True) for t in (q, k))
-        oq, ok = mod(q, k)
-        torch.autograd.backward([oq, ok], [gq.to(device, dtype), gk.to(device, dtype)])
-        return {"q": oq, "k": ok, "dq": q.grad, "dk": k.grad}
-
-    return Case("nki_rope", f"B{b} S{s} H{h} D{d}", run)
+    return Case("nki_rope", "rope_hf", f"B{b} S{s} H{hq}/{hkv} D{d} packed", "torchtitan CosSinRoPE", inputs,
+                replacement, reference, {"seq_len": s, "rope_multiple": 128 * lnc})
 
 
-def _router_case(t, d, e, k):
-    def run(dtype, device, use_nki, seed, replaced: bool):
+# ---- router ------------------------------------------------------------------------------------
+
+def _router_case(t: int, d: int, e: int, k: int) -> Case:
+    def inputs(seed):
+        import torch
+
+        gen = _gen(seed)
+        return {"x": torch.randn(1, t, d, generator=gen), "gate": torch.randn(e, d, generator=gen) * d ** -0.5,
+                "gscores": torch.randn(1, t, e, generator=gen)}
+
+    def run(cls, extra, inp, dtype, device):
         import torch
         from torchtitan.models.common import Linear
-        from torchtitan.models.common.moe import TokenChoiceTopKRouter
 
+        cfg = cls.Config(num_experts=e, gate=Linear.Config(in_features=d, out_features=e), top_k=k,
+                         score_func="softmax", route_norm=True, **extra)
+        mod = cls(cfg)
+        with torch.no_grad():
+            mod.gate.weight.copy_(inp["gate"])
+        mod = mod.to(device, dtype)
+        x = _leaf(inp["x"], dtype, device)
+        scores, ids, full = mod(x)
+        order = ids.sort(dim=-1)  # the top-k set, in expert order (top-k order is unspecified)
+        picked = scores.gather(-1, order.indices)
+        loss = (picked * torch.arange(1, k + 1, device=device)).sum() + (full * inp["gscores"].to(device, full.dtype)).sum()
+        loss.backward()
+        return {"topk_scores": picked, "ids": order.values, "scores": full, "dx": x.grad, "dgate": mod.gate.weight.grad}
+
+    def replacement(inp, dtype, device, use_nki):
         from pipeline.models.nki.modules import NkiRouter
 
-        cls = NkiRouter if replaced else TokenChoiceTopKRouter
-        cfg = cls.Config(num_experts=e, gate=Linear.Config(in_features=d, out_features=e), top_k=k,
-                         score_func="softmax", route_norm=True, **({"use_nki": use_nki} if replaced else {}))
-        mod = cls(cfg)
-        gen = _seeded(seed)
-        _fill(mod, gen)
-        mod = mod.to(device, dtype)
-        x = torch.randn(1, t, d, generator=gen).to(device, dtype).requires_grad_(True)
-        scores, ids, full = mod(x)
-        order = ids.sort(dim=-1)
-        picked = scores.gather(-1, order.indices)
-        (picked * torch.arange(1, k + 1, device=device)).sum().backward()
-        return {"topk_scores": picked, "ids": order.values.to(dtype), "scores": full, "dx": x.grad,
-                "dgate": mod.gate.weight.grad}
+        return run(NkiRouter, {"use_nki": use_nki}, inp, dtype, device)
 
-    return Case("nki_router", f"T{t} D{d} E{e} K{k}", run)
-
-
-def _experts_case(r, d, f, e):
-    def run(dtype, device, use_nki, seed, replaced: bool):
+    def reference(inp):
         import torch
-        from torchtitan.models.common.moe import GroupedExperts
+        from torchtitan.models.common.moe import TokenChoiceTopKRouter
 
-        from pipeline.models.cpu_overrides import LoopExperts
+        return run(TokenChoiceTopKRouter, {}, inp, torch.float32, "cpu")
+
+    return Case("nki_router", "router_topk", f"T{t} D{d} E{e} K{k}", "torchtitan TokenChoiceTopKRouter", inputs,
+                replacement, reference, {"top_k": k, "num_experts": e, "hidden": d, "tokens": t})
+
+
+# ---- experts -----------------------------------------------------------------------------------
+
+def _experts_case(t: int, k: int, d: int, f: int, e: int) -> Case:
+    def inputs(seed):
+        import torch
+
+        gen = _gen(seed)
+        # uneven loads: expert popularity from a skewed distribution, the last expert never chosen
+        popularity = torch.rand(e, generator=gen) ** 3
+        popularity[-1] = 0
+        ids = torch.multinomial(popularity.expand(t, e), k, replacement=False, generator=gen)
+        return {"x": torch.randn(1, t, d, generator=gen), "ids": ids.view(1, t, k),
+                "scores": torch.rand(1, t, k, generator=gen), "w1": torch.randn(e, f, d, generator=gen) * d ** -0.5,
+                "w2": torch.randn(e, d, f, generator=gen) * f ** -0.5, "w3": torch.randn(e, f, d, generator=gen) * d ** -0.5,
+                "gout": torch.randn(1, t, d, generator=gen)}
+
+    def replacement(inp, dtype, device, use_nki):
+        import torch
+        from torchtitan.models.common.moe import RoutedExperts
+        from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
+
         from pipeline.models.nki.modules import NkiExperts
 
-        # GroupedExperts' own forward is torch._grouped_mm in bf16 (CUDA kernels); on CPU the
-        # module the override displaces is loop_experts, the same SwiGLU in the input dtype.
-        cls = NkiExperts if replaced else LoopExperts
-        cfg = cls.Config(dim=d, hidden_dim=f, num_experts=e, **({"use_nki": use_nki} if replaced else {}))
-        mod = cls(cfg)
-        gen = _seeded(seed)
-        _fill(mod, gen)
+        mod = RoutedExperts(RoutedExperts.Config(
+            inner_experts=NkiExperts.Config(dim=d, hidden_dim=f, num_experts=e, use_nki=use_nki),
+            token_dispatcher=LocalTokenDispatcher.Config(num_experts=e, top_k=k)))
+        experts = mod.inner_experts
+        with torch.no_grad():
+            for name in ("w1", "w2", "w3"):
+                getattr(experts, f"{name}_{'EDF' if name == 'w2' else 'EFD'}").copy_(inp[name])
         mod = mod.to(device, dtype)
-        counts = torch.multinomial(torch.ones(e), r, replacement=True, generator=gen).bincount(minlength=e)
-        x = torch.randn(r, d, generator=gen).to(device, dtype).requires_grad_(True)
-        out = mod(x, counts.to(device))
-        out.backward(torch.randn(out.shape, generator=gen).to(device, dtype))
-        assert isinstance(mod, GroupedExperts)
-        return {"out": out, "dx": x.grad, "dw1": mod.w1_EFD.grad, "dw2": mod.w2_EDF.grad, "dw3": mod.w3_EFD.grad}
+        x = _leaf(inp["x"], dtype, device)
+        ids = inp["ids"].to(device)
+        counts = torch.zeros(1, t, e, dtype=torch.bool, device=device).scatter_(-1, ids, True).sum(dim=(0, 1))
+        out = mod(x, inp["scores"].to(device, torch.float32), ids, counts)
+        out.backward(inp["gout"].to(device, dtype))
+        return {"out": out, "dx": x.grad, "dw1": experts.w1_EFD.grad, "dw2": experts.w2_EDF.grad,
+                "dw3": experts.w3_EFD.grad}
 
-    return Case("nki_experts", f"R{r} D{d} F{f} E{e}", run)
+    def reference(inp):
+        import torch
+        from transformers import Qwen3MoeConfig
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+        config = Qwen3MoeConfig(hidden_size=d, moe_intermediate_size=f, num_experts=e, num_experts_per_tok=k,
+                                hidden_act="silu")
+        config._experts_implementation = "eager"  # transformers' own per-expert loop
+        mod = Qwen3MoeExperts(config)
+        with torch.no_grad():
+            mod.gate_up_proj.copy_(torch.cat([inp["w1"], inp["w3"]], dim=1))
+            mod.down_proj.copy_(inp["w2"])
+        x = _leaf(inp["x"].view(t, d), torch.float32, "cpu")
+        out = mod(x, inp["ids"].view(t, k), inp["scores"].view(t, k))
+        out.backward(inp["gout"].view(t, d))
+        gate_up = mod.gate_up_proj.grad
+        return {"out": out.view(1, t, d), "dx": x.grad.view(1, t, d), "dw1": gate_up[:, :f], "dw2": mod.down_proj.grad,
+                "dw3": gate_up[:, f:]}
+
+    return Case("nki_experts", "moe_cte", f"T{t} K{k} D{d} F{f} E{e}", "transformers Qwen3MoeExperts", inputs,
+                replacement, reference, {"hidden": d, "intermediate_per_tp_rank": f, "experts_per_rank": e,
+                                         "routed_rows_per_rank": t * k})
 
 
-CASES = [
-    _rope_case(2, 128, 4, 128), _rope_case(1, 256, 8, 64),
-    _router_case(256, 128, 8, 2), _router_case(128, 256, 64, 8),
-    _experts_case(64, 64, 32, 4), _experts_case(200, 128, 64, 8),
-]
+def cases(lnc: int) -> list[Case]:
+    """Shapes every kernel accepts on trn2 at this LNC (constraints.KERNEL_RULES)."""
+    from pipeline.models.nki.constraints import ROUTER_MAX_TOKENS
+
+    seq = 128 * lnc
+    return [
+        _rope_case(2, seq, 4, 2, 128, lnc), _rope_case(1, 2 * seq, 8, 4, 64, lnc),
+        _router_case(256, 512, 64, 8), _router_case(ROUTER_MAX_TOKENS + 256, 256, 16, 2),
+        _experts_case(256, 2, 512, 2048, 8),
+    ]
 
 
-# Below float32 the top-k *selection* among near-equal scores is not defined (bf16 rounding of x
-# reorders near-ties), so those runs compare the full routing scores only.
-EXACT_ONLY = {"ids", "topk_scores", "dx", "dgate"}
-
-
-def _errors(got: dict, ref: dict, dtype_name: str = "float32") -> tuple[float, float]:
+def _errors(got: dict, ref: dict, compute_dtype: str) -> tuple[float, float]:
     worst_abs = worst_rel = 0.0
     for name, value in ref.items():
-        if dtype_name != "float32" and name in EXACT_ONLY:
+        if compute_dtype != "float32" and name in CHOICE_DEPENDENT:
             continue
-        diff = (got[name].float().cpu() - value.float().cpu()).abs().max().item()
-        scale = max(value.float().abs().max().item(), 1e-12)
+        diff = (got[name].double().cpu() - value.double()).abs().max().item()
+        scale = max(value.double().abs().max().item(), 1e-12)
         worst_abs, worst_rel = max(worst_abs, diff), max(worst_rel, diff / scale)
     return worst_abs, worst_rel
 
 
-def verify(dtypes: list[str], device: str = "cpu", use_nki: bool = False, seed: int = 1234) -> list[dict]:
+def verify(all_cases: list[Case], dtypes: list[str], device: str = "cpu", use_nki: bool = False,
+           seed: int = 1234) -> list[dict]:
     import torch
 
     rows = []
-    for case in CASES:
+    for case in all_cases:
+        inputs = case.inputs(seed)
+        reference = case.reference(inputs)
         for dtype_name in dtypes:
-            dtype = getattr(torch, dtype_name)
-            got = case.build(dtype, device, use_nki, seed, replaced=True)
-            same = case.build(dtype, "cpu", False, seed, replaced=False)
-            fp32 = case.build(torch.float32, "cpu", False, seed, replaced=False)
-            for versus, ref in (("replaced module", same), ("float32 module", fp32)):
-                err_abs, err_rel = _errors(got, ref, dtype_name)
-                limit = THRESHOLDS[dtype_name] if versus == "replaced module" or dtype_name == "float32" else 4 * THRESHOLDS[dtype_name]
-                rows.append({"override": case.override, "shape": case.shape, "dtype": dtype_name, "vs": versus,
-                             "max_abs": err_abs, "max_rel": err_rel, "threshold": limit, "pass": err_rel <= limit,
-                             "kernel": "nki" if use_nki else "reference"})
+            compute = dtype_name
+            if use_nki and KERNEL_COMPUTE_DTYPE.get(case.kernel) == "bfloat16":
+                compute = "bfloat16"
+            got = case.replacement(inputs, getattr(torch, dtype_name), device, use_nki)
+            err_abs, err_rel = _errors(got, reference, compute)
+            rows.append({"override": case.override, "shape": case.shape, "dtype": dtype_name,
+                         "runs": case.kernel if use_nki else "reference", "vs": f"{case.reference_name} (float32)",
+                         "max_abs": err_abs, "max_rel": err_rel, "threshold": THRESHOLDS[compute],
+                         "pass": err_rel <= THRESHOLDS[compute]})
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    head = f"{'override':<12} {'shape':<20} {'dtype':<9} {'kernel':<9} {'vs':<16} {'max abs':>10} {'max rel':>10} {'thresh':>8}  ok"
+    head = (f"{'override':<12} {'shape':<24} {'dtype':<9} {'runs':<12} {'vs':<44} {'max abs':>9} {'max rel':>9} "
+            f"{'thresh':>7}  ok")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['override']:<12} {r['shape']:<20} {r['dtype']:<9} {r['kernel']:<9} {r['vs']:<16} "
-                     f"{r['max_abs']:>10.2e} {r['max_rel']:>10.2e} {r['threshold']:>8.0e}  {'PASS' if r['pass'] else 'FAIL'}")
+        lines.append(f"{r['override']:<12} {r['shape']:<24} {r['dtype']:<9} {r['runs']:<12} {r['vs']:<44} "
+                     f"{r['max_abs']:>9.2e} {r['max_rel']:>9.2e} {r['threshold']:>7.0e}  {'PASS' if r['pass'] else 'FAIL'}")
     return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> list[dict]:
     from pipeline.models.nki import kernels
+    from pipeline.models.nki.declarations import BY_FUNCTION
+    from pipeline.run import targets
 
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     unknown = [d for d in dtypes if d not in THRESHOLDS]
     if unknown:
         raise PipelineError(f"--dtypes {unknown} not supported.", f"use some of {sorted(THRESHOLDS)}.")
-    rows = verify(dtypes)
+    chosen = [o.strip() for o in args.overrides.split(",") if o.strip()] or list(BY_FUNCTION)
+    unknown = [o for o in chosen if o not in BY_FUNCTION]
+    if unknown:
+        raise PipelineError(f"--overrides {unknown} unknown.", f"use some of {', '.join(BY_FUNCTION)}.")
+    lnc = kernels.lnc()
+    selected = [c for c in cases(lnc) if c.override in chosen]
+    rows = verify(selected, dtypes)
     reason = kernels.nki_unavailable_reason()
+    if reason is None and targets.resolve(args.target).name != "trn2":  # detected when --target is unset
+        reason = "the target is not trn2 (the kernels run on `neuron` devices: --target trn2)"
     if reason is None:
-        device = "neuron" if args.target == "trn2" else "cpu"
-        rows += verify(dtypes, device=device, use_nki=True)
+        rows += verify(selected, dtypes, device="neuron", use_nki=True)
+    print(f"shapes for LNC={lnc} (NEURON_LOGICAL_NC_CONFIG, else trn2's default 2)")
     print(table(rows))
     if reason is not None:
         print(f"NKI kernels NOT run here: {reason}. Checked: every override's operator with its PyTorch reference "
-              "dispatch (the path CPU training uses); run on trn2 or with the NKI simulator for the kernels.")
+              "dispatch (the path CPU training uses); on trn2 the same rows run the kernels.")
     failed = [r for r in rows if not r["pass"]]
     if failed:
         raise PipelineError(f"{len(failed)} of {len(rows)} kernel checks failed (see FAIL rows).",

@@ -1,20 +1,20 @@
 """Lazy bindings of the NKI kernels the operators call on `neuron`.
 
 Nothing here imports `nki`, `torch_neuronx` or `nkilib` at module import: they exist only in the
-Neuron image (PyPI's packages of those names are empty placeholders). Kernels come from the NKI
-library bundled with neuronx-cc (`nkilib`) where it has a suitable one, rather than our own:
-- rope_hf (nkilib.core.embeddings.rope_hf): HF layout [B, H, S, D], forward *and* backward
-  (backward=True rotates the other way), packed cos|sin cache — exactly torchtitan's CosSinRoPE.
-- router_topk (nkilib.core.router_topk): router logits x @ w [T, E] plus top-k; we take its
-  logits and indices (softmax/normalisation stay in PyTorch so autograd sees them).
-- moe_cte (nkilib.core.moe_cte): blockwise expert MLP; forward only (its blockwise backward is
-  experimental), so the experts operator uses the reference backward.
+Neuron image (PyPI's packages of those names are empty placeholders). The jitted entry points live
+in `neuron_kernels` (imported on first use); each is wrapped once with torch_neuronx's `wrap_nki`
+and launched with the grid as a tuple, `caller[(lnc,)]`: one public torch_neuronx/nki_hop.py does
+`tuple(map(int, grid))`, so an int grid fails there while a tuple works with every version
+(neuron.md, "The kernel grid").
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import os
+
+from pipeline.models.nki.constraints import TRN2_DEFAULT_LNC
 
 
 @functools.cache
@@ -28,27 +28,24 @@ def nki_unavailable_reason() -> str | None:
     return None
 
 
-def _wrap(kernel):
+def lnc() -> int:
+    """The logical-core degree the kernels are launched with: NEURON_LOGICAL_NC_CONFIG, else trn2's
+    runtime default (2)."""
+    value = os.environ.get("NEURON_LOGICAL_NC_CONFIG", str(TRN2_DEFAULT_LNC))
+    if value not in ("1", "2"):
+        raise ValueError(f"NEURON_LOGICAL_NC_CONFIG={value!r}: trn2 runs LNC 1 or 2")
+    return int(value)
+
+
+@functools.cache
+def _wrapped(name: str):
     from torch_neuronx import wrap_nki
 
-    return wrap_nki(kernel)
+    from pipeline.models.nki import neuron_kernels
+
+    return wrap_nki(getattr(neuron_kernels, name))
 
 
-@functools.cache
-def rope_hf():
-    from nkilib.core.embeddings.rope_hf import rope_hf as kernel
-
-    return _wrap(kernel)
-
-
-@functools.cache
-def router_topk():
-    from nkilib.core.router_topk.router_topk import router_topk as kernel
-
-    return _wrap(kernel)
-
-
-def lnc() -> int:
-    import os
-
-    return int(os.environ.get("NEURON_LOGICAL_NC_CONFIG", "1"))
+def launch(name: str):
+    """The wrap_nki caller of `neuron_kernels.<name>` on the current LNC grid."""
+    return _wrapped(name)[(lnc(),)]

@@ -10,15 +10,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 from torchtitan.models.common.moe import GroupedExperts, TokenChoiceTopKRouter
 from torchtitan.models.common.rope import CosSinRoPE
 
 from pipeline.models.nki import adapters, ops
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class NkiRoPE(CosSinRoPE):
@@ -27,13 +22,12 @@ class NkiRoPE(CosSinRoPE):
         use_nki: bool = False
 
     def forward(self, query, key, positions=None):
-        if positions is not None:
-            # Per-token positions (packed/inference batches) need a gathered cache per batch row;
-            # rope_hf takes one [S, 2D] cache or one per batch, training never passes positions.
-            return super().forward(query, key, positions)
-        cache = adapters.rope_cache_for(self.cache, query.shape[1])
-        q, k = ops.rope_hf(adapters.bshd_to_bhsd(query), adapters.bshd_to_bhsd(key), cache, False, self.config.use_nki)
-        return adapters.bhsd_to_bshd(q), adapters.bhsd_to_bshd(k)
+        q_BSHD, k_BSHD = adapters.local(query), adapters.local(key)
+        cache = adapters.rope_cache_for(adapters.local(self.cache), q_BSHD.shape[0], q_BSHD.shape[1],
+                                        adapters.local(positions))
+        q, k = ops.rope_hf(adapters.bshd_to_bhsd(q_BSHD), adapters.bshd_to_bhsd(k_BSHD), cache, False,
+                           self.config.use_nki)
+        return adapters.like(query, adapters.bhsd_to_bshd(q)), adapters.like(key, adapters.bhsd_to_bshd(k))
 
 
 class NkiRouter(TokenChoiceTopKRouter):
@@ -48,15 +42,16 @@ class NkiRouter(TokenChoiceTopKRouter):
     def forward(self, x_BLD: torch.Tensor, expert_bias_E: torch.Tensor | None = None):
         if expert_bias_E is not None:
             raise NotImplementedError("nki_router: expert-bias routing is not in router_topk's contract")
-        batch, length, _ = x_BLD.shape
-        logits_TE, ids_TK = ops.router_topk(adapters.tokens(x_BLD), _local(self.gate.weight), self.top_k, self.use_nki)
+        x_local = adapters.local(x_BLD)
+        batch, length, _ = x_local.shape
+        logits_TE, ids_TK = ops.router_topk(adapters.tokens(x_local), adapters.local(self.gate.weight), self.top_k,
+                                            self.use_nki)
         scores_TE = F.softmax(logits_TE, dim=-1)
         topk_scores_TK = scores_TE.gather(dim=-1, index=ids_TK)
         if self.route_norm:
             topk_scores_TK = topk_scores_TK / (topk_scores_TK.sum(dim=-1, keepdim=True) + 1e-20)
         topk_scores_TK = topk_scores_TK * self.route_scale
-        return (topk_scores_TK.view(batch, length, -1), ids_TK.view(batch, length, -1),
-                scores_TE.view(batch, length, -1))
+        return tuple(adapters.like(x_BLD, t.view(batch, length, -1)) for t in (topk_scores_TK, ids_TK, scores_TE))
 
 
 class NkiExperts(GroupedExperts):
@@ -69,5 +64,5 @@ class NkiExperts(GroupedExperts):
         self.use_nki = config.use_nki
 
     def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-        weights = [_local(w) for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD)]
+        weights = [adapters.local(w) for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD)]
         return ops.experts(x_RD, num_tokens_per_expert_E, *weights, self.use_nki)

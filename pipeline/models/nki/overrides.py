@@ -37,6 +37,6 @@ def nki_router(cfg: TokenChoiceTopKRouter.Config, use_nki: bool = False) -> NkiR
 
 
 @override(target=GroupedExperts.Config, fqns=_fqns("nki_experts"), exact=True,
-          description="expert SwiGLU via pipeline_nki::experts (reference; moe_cte on neuron once bound)")
+          description="expert SwiGLU via pipeline_nki::experts (nkilib moe_cte on neuron, blockwise layout)")
 def nki_experts(cfg: GroupedExperts.Config, use_nki: bool = False) -> NkiExperts.Config:
     return derive(cfg, NkiExperts.Config, use_nki=use_nki)
