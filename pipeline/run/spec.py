@@ -34,6 +34,7 @@ class RunSpec:
     overrides: list = field(default_factory=list)  # torchtitan override.imports entries
     titan_args: list = field(default_factory=list)  # torchtitan CLI flags applied over the built config
     nki: dict = field(default_factory=dict)  # the nki path's plan (overrides, kernels, constraints)
+    record_plan: bool = False  # every rank writes plan/rank<N>.json (layout, step 1); the rehearsal sets it
 
     @property
     def world_size(self) -> int:
