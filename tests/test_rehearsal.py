@@ -109,6 +109,10 @@ def _records(settings: TrainSettings, landmarks: registry.PlanLandmarks, sequenc
                     "shape": [64, 64], "local_shape": [16, 32], "dtype": "float32"}
 
         modules = {
+            landmarks.embedding: {"class": "Embedding", "input": {"local_shape": [2, seq]},
+                                  "output": {"local_shape": [2, local, 64]}, "weight_dtype": "bfloat16"},
+            landmarks.head: {"class": "Linear", "input": {"local_shape": [2, seq, 64]},
+                             "output": {"local_shape": [2, seq, 75968]}, "weight_dtype": "bfloat16"},
             landmarks.block: {"class": "Block", "input": {"local_shape": [2, local, 64]}, "weight_dtype": None},
             landmarks.norm: {"class": "RMSNorm", "input": {"local_shape": [2, local, 64]}, "weight_dtype": "bfloat16"},
             landmarks.attention_input: {"class": "Linear", "input": {"local_shape": [2, seq, 64]},
@@ -147,6 +151,10 @@ def test_check_plan_passes_a_plan_that_ran_and_fails_each_deviation(path):
         for r in records:
             r["step"]["modules"][landmarks.norm]["input"]["local_shape"][1] = settings.seq_len
 
+    def replicated_stream(records):
+        for r in records:
+            r["step"]["modules"][landmarks.embedding]["output"]["local_shape"][1] = settings.seq_len
+
     def no_reduce_scatter(records):
         for r in records:
             r["step"]["collectives"]["tp"] = {"all_reduce": 10}
@@ -161,6 +169,9 @@ def test_check_plan_passes_a_plan_that_ran_and_fails_each_deviation(path):
         for r in records:
             r["layout"]["fsdp"]["<root>"]["param_dtype"] = "float32"
 
+    def fp32_weight_in_forward(records):
+        records[3]["step"]["modules"][landmarks.head]["weight_dtype"] = "float32"
+
     def bf16_reduce(records):
         records[0]["layout"]["fsdp"]["<root>"]["reduce_dtype"] = "bfloat16"
 
@@ -174,10 +185,12 @@ def test_check_plan_passes_a_plan_that_ran_and_fails_each_deviation(path):
 
     assert failed(full_sequence_in_norm) == {"sequence parallel"}
     assert failed(no_reduce_scatter) == {"sequence parallel"}
+    assert failed(replicated_stream) == {"sequence parallel"}
     assert failed(replicated_colwise) == {"fsdp × tp layout"}
     assert failed(plain_tensor) == {"fsdp × tp layout"}
     assert failed(fp32_compute) == {"mixed precision"}
     assert failed(bf16_reduce) == {"mixed precision"}
+    assert failed(fp32_weight_in_forward) == {"mixed precision"}
     assert failed(no_checkpointing) == {"activation checkpointing"}
     assert failed(tp_of_one) == {"mesh"}
     assert [c.name for c in rehearsal.check_plan(settings, TINY, landmarks, good[:3])] == ["ranks"]

@@ -25,6 +25,8 @@ class PlanLandmarks:
     """Where a path's model shows its parallel plan (module and parameter names, wrappers left out),
     read by the rehearsal's checks (pipeline.training.rehearsal.check_plan)."""
 
+    embedding: str  # its output is the residual stream: a sequence shard under SP
+    head: str  # the output projection: sees the full sequence, gives vocab-sharded logits
     block: str  # the first transformer block: its input is the residual stream (a sequence shard under SP)
     norm: str  # the block's first norm: runs on the sequence shard under SP
     attention_input: str  # the module that projects q/k/v: sees the full sequence
@@ -32,10 +34,10 @@ class PlanLandmarks:
     rowwise: str  # a row-parallel weight: Shard(1) on tp
 
 
-NATIVE_LANDMARKS = PlanLandmarks(block="layers.0", norm="layers.0.attention_norm",
+NATIVE_LANDMARKS = PlanLandmarks(embedding="tok_embeddings", head="lm_head", block="layers.0", norm="layers.0.attention_norm",
                                  attention_input="layers.0.attention.qkv_linear",
                                  colwise="layers.0.attention.qkv_linear.wqkv.weight", rowwise="layers.0.attention.wo.weight")
-HF_LANDMARKS = PlanLandmarks(block="model.layers.0", norm="model.layers.0.input_layernorm",
+HF_LANDMARKS = PlanLandmarks(embedding="model.embed_tokens", head="lm_head", block="model.layers.0", norm="model.layers.0.input_layernorm",
                              attention_input="model.layers.0.self_attn.q_proj",
                              colwise="model.layers.0.self_attn.q_proj.weight", rowwise="model.layers.0.self_attn.o_proj.weight")
 

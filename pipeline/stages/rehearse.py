@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> dict:
         try:
             _rehearse_path(args, path, source, out, plain_run, plain_step1, summary)
         except PipelineError as err:
-            summary.check(path, Check("ran", False, str(err)))
+            summary.check(path, Check("ran", False, err.problem))
         summary.save()
 
     if args.nodes:
@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> dict:
             try:
                 _rehearse_nodes(args, scheduler, out, plain_step1, summary)
             except PipelineError as err:
-                summary.check(f"nodes-{scheduler}", Check("ran", False, str(err)))
+                summary.check(f"nodes-{scheduler}", Check("ran", False, err.problem))
             summary.save()
 
     summary.data["seconds"]["total"] = round(time.perf_counter() - started, 1)

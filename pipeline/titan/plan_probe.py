@@ -153,11 +153,13 @@ class CollectiveCounter(TorchDispatchMode):
 class StepProbe:
     """Records one training step: module inputs/outputs (first call of each) and collectives."""
 
-    def __init__(self, model: torch.nn.Module, labels: dict[tuple[int, ...], str], skip: list[str] = ()):
+    def __init__(self, model: torch.nn.Module, labels: dict[tuple[int, ...], str], compiled: list[str] = ()):
         self.model = model
         # Compiled modules (fullgraph) would have to trace the hooks: leave them and their insides out.
-        self.skip = tuple(skip)
-        self.counter = CollectiveCounter(labels)
+        # And Dynamo compiles nothing while a dispatch mode is active: with compiled modules the
+        # collectives are not counted (the record says so) rather than the run failing.
+        self.skip = tuple(compiled)
+        self.counter = CollectiveCounter(labels) if not self.skip else None
         self.modules: dict[str, dict] = {}
         self.handles = []
 
@@ -187,16 +189,19 @@ class StepProbe:
                 continue
             self.handles.append(module.register_forward_pre_hook(self._pre(name), with_kwargs=True))
             self.handles.append(module.register_forward_hook(self._post(name), with_kwargs=True))
-        self.counter.__enter__()
+        if self.counter is not None:
+            self.counter.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        self.counter.__exit__(*exc)
+        if self.counter is not None:
+            self.counter.__exit__(*exc)
         for handle in self.handles:
             handle.remove()
 
     def record(self) -> dict:
-        return {"modules": self.modules, "collectives": self.counter.record(), "not_hooked": list(self.skip)}
+        return {"modules": self.modules, "collectives": self.counter.record() if self.counter is not None else None,
+                "not_hooked": list(self.skip)}
 
 
 def write(path: Path, record: dict) -> None:

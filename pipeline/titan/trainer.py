@@ -155,7 +155,7 @@ class PipelineTrainer(Trainer):
         model = self.model_parts[0]
         record = {"mesh": plan_probe.mesh_record(self.parallel_dims), "layout": plan_probe.layout(model)}
         with plan_probe.StepProbe(model, plan_probe.group_labels(self.parallel_dims),
-                                  skip=record["layout"]["compiled"]) as probe:
+                                  compiled=record["layout"]["compiled"]) as probe:
             loss = super().forward_backward_step(**kwargs)
         record["step"] = probe.record()
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
