@@ -59,28 +59,40 @@ def test_router_is_transformers_arithmetic_out_of_place():
         assert torch.equal(ours, theirs)
 
 
+def test_experts_are_transformers_loop_without_tp():
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    model = _model("tiny-moe")
+    experts = model.model.layers[0].mlp.experts
+    assert isinstance(experts, Qwen3MoeExperts) and type(experts) is not Qwen3MoeExperts
+    original = Qwen3MoeExperts.__new__(Qwen3MoeExperts)
+    original.__dict__ = experts.__dict__
+    x = torch.randn(16, experts.hidden_dim)
+    index = torch.randint(0, experts.num_experts, (16, 2), generator=torch.Generator().manual_seed(2))
+    weights = torch.rand(16, 2)
+    assert torch.equal(experts(x, index, weights), original(x, index, weights))
+
+
 @pytest.mark.parametrize("sequence_parallel", [True, False])
 @pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
-def test_tp_plan_covers_every_weight_of_a_block(name, sequence_parallel):
+def test_tp_plan_puts_every_parameter_on_the_tp_mesh(name, sequence_parallel):
+    """Every parameter is under some ParallelStyle: split, or replicated as a DTensor on tp, so that
+    with FSDP all of them live on one (dp_shard, tp) mesh (clipping and the optimizer need that)."""
     from torch.distributed.tensor.parallel import SequenceParallel
 
     model = _model(name)
-    layer = model.layers[0]
-    is_moe = hasattr(layer.mlp, "experts")
-    plan = hf.layer_tp_plan(sequence_parallel, is_moe=is_moe)
-    planned = {key for key in plan if not key.endswith(("self_attn", "mlp"))}
-    weights = {n.removesuffix(".weight") for n, _ in layer.named_parameters()}
-    # Every weight is either split over tp or, by design, replicated: norms under SP are
-    # SequenceParallel; without SP they and the MoE block (router, experts) run replicated.
-    replicated = {w for w in weights if w not in planned}
-    expected_replicated = ({"input_layernorm", "post_attention_layernorm"} if not sequence_parallel else set())
-    if is_moe:
-        expected_replicated |= {"mlp.gate", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"}
-    assert replicated == {w for w in expected_replicated if w in weights}, replicated
-    root = hf.root_tp_plan(sequence_parallel)
-    assert set(root) == {"model.embed_tokens", "lm_head"} | ({"model.norm"} if sequence_parallel else set())
-    if sequence_parallel:
-        assert isinstance(plan["input_layernorm"], SequenceParallel) and "self_attn" in plan and "mlp" in plan
+    plans = [("", hf.root_tp_plan(sequence_parallel))]
+    plans += [(f"model.layers.{i}.", hf.layer_tp_plan(sequence_parallel, is_moe=name == "tiny-moe"))
+              for i in range(len(model.layers))]
+    covered = {prefix + key for prefix, plan in plans for key, style in plan.items()
+               if not type(style).__name__.startswith("PrepareModule")}
+    uncovered = [n for n, _ in model.named_parameters() if not any(n.startswith(c + ".") for c in covered)]
+    assert not uncovered, uncovered
+    layer_plan = dict(plans[1][1])
+    assert isinstance(layer_plan["input_layernorm"], SequenceParallel) is sequence_parallel
+    assert ("self_attn" in layer_plan) is sequence_parallel  # the gather before attention
+    if name == "tiny-moe":
+        assert isinstance(layer_plan["mlp.experts"], hf.ReplicateParameters)
 
 
 def test_forward_always_passes_a_block_causal_mask(monkeypatch):

@@ -123,7 +123,8 @@ def test_step1_agrees_with_the_plain_cpu_run(rehearsals, model):
     for path in PATHS:
         step1 = summary["paths"][path]["step1"]
         assert abs(step1["loss"] - plain["loss"]) <= stage.LOSS_TOLERANCE, (path, step1, plain)
-        assert abs(step1["grad_norm"] - plain["grad_norm"]) <= stage.GRAD_NORM_TOLERANCE * plain["grad_norm"]
+        kind = "moe" if model == "tiny-moe" else "dense"
+        assert abs(step1["grad_norm"] - plain["grad_norm"]) <= stage.GRAD_NORM_TOLERANCE[kind] * plain["grad_norm"]
         assert summary["paths"][path]["verify"]["passed"]
 
 

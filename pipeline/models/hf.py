@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from torchtitan.protocols.model import BaseModel
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
@@ -34,18 +35,28 @@ ATTENTION = "sdpa"
 EXPERTS = "eager"
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A parameter the TP plan replicated over tp (a Replicate DTensor) as the plain tensor the
+    module computes with; its gradient comes back Replicate, which is right because every tp rank
+    runs the module on the same full input."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def _router_forward(self, hidden_states: torch.Tensor):
     """transformers' Qwen3MoeTopKRouter.forward with the top-k renormalisation out of place.
 
     transformers divides topk's output in place (`router_top_value /= …`); torchtitan's selective
     activation checkpointing saves topk's outputs (so a recompute routes tokens the same way) and
     refuses a saved tensor that was mutated, so the hf path's MoE could not train with
-    activation_checkpoint = "selective" (trn2.toml, cuda.toml). Same arithmetic otherwise.
+    activation_checkpoint = "selective" (trn2.toml, cuda.toml). Same arithmetic otherwise; under
+    TP the weight is replicated over tp and used locally.
     """
     import torch.nn.functional as F
 
     hidden_states = hidden_states.reshape(-1, self.hidden_dim)
-    router_logits = F.linear(hidden_states, self.weight)
+    router_logits = F.linear(hidden_states, _local(self.weight))
     router_probs = F.softmax(router_logits, dtype=torch.float, dim=-1)
     router_top_value, router_indices = torch.topk(router_probs, self.top_k, dim=-1)
     if self.norm_topk_prob:
@@ -53,13 +64,27 @@ def _router_forward(self, hidden_states: torch.Tensor):
     return router_logits, router_top_value.to(router_logits.dtype), router_indices
 
 
-_ROUTERS: dict[type, type] = {}
+def _experts_forward(self, *args):
+    """transformers' expert loop, on the local tensors of tp-replicated parameters (its index ops
+    have no DTensor rules); unchanged without TP."""
+    from torch.distributed.tensor import DTensor
+
+    params = dict(self.named_parameters(recurse=False))
+    if not any(isinstance(p, DTensor) for p in params.values()):
+        return type(self).__mro__[1].forward(self, *args)
+    return torch.func.functional_call(self, {name: _local(p) for name, p in params.items()}, args)
 
 
-def _out_of_place_router(cls: type) -> type:
-    if cls not in _ROUTERS:
-        _ROUTERS[cls] = type(f"{cls.__name__}OutOfPlace", (cls,), {"forward": _router_forward})
-    return _ROUTERS[cls]
+# transformers class name → what the hf path runs instead (a subclass with this forward).
+_REPLACED_FORWARDS = {"Qwen3MoeTopKRouter": _router_forward, "Qwen3MoeExperts": _experts_forward}
+_SUBCLASSES: dict[type, type] = {}
+
+
+def _with_forward(cls: type) -> type:
+    if cls not in _SUBCLASSES:
+        forward = _REPLACED_FORWARDS[cls.__name__]
+        _SUBCLASSES[cls] = type(f"{cls.__name__}Pipeline", (cls,), {"forward": forward})
+    return _SUBCLASSES[cls]
 
 
 def block_causal_mask(positions: torch.Tensor) -> torch.Tensor:
@@ -120,8 +145,8 @@ class HFQwen3(BaseModel):
         self.tied = bool(causal.config.tie_word_embeddings)
         object.__setattr__(self, "_causal", causal)
         for module in self.model.modules():
-            if type(module).__name__ == "Qwen3MoeTopKRouter":
-                module.__class__ = _out_of_place_router(type(module))
+            if type(module).__name__ in _REPLACED_FORWARDS:
+                module.__class__ = _with_forward(type(module))
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -177,18 +202,30 @@ class HFQwen3(BaseModel):
 # - Qwen3-MoE blocks: experts and router are not split over tp (transformers' experts are one
 #   fused tensor per projection, routed with index ops a ParallelStyle cannot shard); each tp rank
 #   runs the whole block on the full sequence (all-gathered under SP, then sliced back to its shard).
+# - whatever is not split is still a DTensor on the tp mesh (Replicate): FSDP then puts every
+#   parameter on the same (dp_shard, tp) mesh, which gradient clipping and the optimizer need
+#   (a mix of 1-D and 2-D DTensors fails in torch.stack of the per-parameter norms).
+class ReplicateParameters(ParallelStyle):
+    """Every parameter of the module becomes a Replicate DTensor on the tp mesh; the module computes
+    on their local tensors (see _local), with inputs and outputs untouched."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        from torch.distributed.tensor import distribute_module
+
+        return distribute_module(module, device_mesh)  # the default partition replicates every parameter
+
+
 def root_tp_plan(sequence_parallel: bool) -> dict[str, Any]:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+    from torchtitan.distributed.tensor_parallel import NoParallel
 
     stream = Shard(1) if sequence_parallel else Replicate()
-    plan = {
+    return {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
+        "model.norm": SequenceParallel() if sequence_parallel else NoParallel(use_local_output=True),
         "lm_head": ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=True),
     }
-    if sequence_parallel:
-        plan["model.norm"] = SequenceParallel()
-    return plan
 
 
 def layer_tp_plan(sequence_parallel: bool, is_moe: bool) -> dict[str, Any]:
@@ -200,6 +237,7 @@ def layer_tp_plan(sequence_parallel: bool, is_moe: bool) -> dict[str, Any]:
         RowwiseParallel,
         SequenceParallel,
     )
+    from torchtitan.distributed.tensor_parallel import NoParallel
 
     stream = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, Any] = {
@@ -210,16 +248,17 @@ def layer_tp_plan(sequence_parallel: bool, is_moe: bool) -> dict[str, Any]:
         "self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
         "self_attn.o_proj": RowwiseParallel(output_layouts=stream),
     }
+    norm = SequenceParallel() if sequence_parallel else NoParallel(use_local_output=True)
+    plan |= {"input_layernorm": norm, "post_attention_layernorm": norm}
     if sequence_parallel:
         plan |= {
-            "input_layernorm": SequenceParallel(),
-            "post_attention_layernorm": SequenceParallel(),
             # the decoder layer passes hidden_states to self_attn by keyword
             "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
                                             desired_input_kwarg_layouts={"hidden_states": Replicate()},
                                             use_local_output=True),
         }
     if is_moe:
+        plan |= {"mlp.gate": ReplicateParameters(), "mlp.experts": ReplicateParameters()}
         if sequence_parallel:
             plan["mlp"] = PrepareModuleInputOutput(
                 input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,

@@ -79,6 +79,17 @@ def _nki_cpu_overrides(target: str, settings: TrainSettings) -> tuple[str, ...]:
     return tuple(o for o in _cpu_overrides(target, settings) if o not in replaced)
 
 
+def _prepare_hf(spec: RunSpec) -> None:
+    s = spec.settings
+    if s.compile and s.tensor_parallel > 1:
+        # Found by `make rehearse`: transformers' Qwen3 with the TP plan's ParallelStyles, compiled
+        # per block, trains with a step-1 gradient norm 2.7 % off the plain run even in float32 (loss
+        # exact; eager and the native path compiled agree). Refused rather than trained wrong.
+        raise PipelineError("the hf path's tensor-parallel plan computes wrong gradients under torch.compile "
+                            f"(compile = true with tensor_parallel = {s.tensor_parallel}).",
+                            "set compile = false for the hf path ([paths.hf] in the config) or tensor_parallel = 1.")
+
+
 def _prepare_nki(spec: RunSpec) -> None:
     from pipeline.models.nki import prepare
 
@@ -89,7 +100,7 @@ PATHS: dict[str, TrainingPath] = {
     p.name: p
     for p in (
         TrainingPath("hf", "Transformers v5's own Qwen3 (AutoModelForCausalLM from config.json) trained by torchtitan",
-                     _hf, landmarks=HF_LANDMARKS, colour="tab:blue", line=("-", "o")),
+                     _hf, prepare=_prepare_hf, landmarks=HF_LANDMARKS, colour="tab:blue", line=("-", "o")),
         TrainingPath("native", "torchtitan's own Qwen3 (dense and MoE)", _native, overrides=_cpu_overrides,
                      colour="tab:orange", line=("--", "s")),
         # Same model as native: the NKI modules come in through override.imports, so parameter

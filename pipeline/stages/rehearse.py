@@ -12,16 +12,23 @@ For one model, into checkpoints/<key>/rehearse/:
 A check that fails makes the stage fail (one line naming it) after everything ran.
 
 Step-1 agreement with the plain run. Both runs see the same global batch (checked tensor by tensor),
-so their step-1 losses differ only by the plan's arithmetic: bf16 compute (8 significant bits,
+so their step-1 numbers differ only by the plan's arithmetic: bf16 compute (8 significant bits,
 relative rounding 2^-8 ≈ 0.4 %) in a different order (TP partial sums, gathered sequence shards).
-LOSS_TOLERANCE: the loss is the float32 mean of per-token cross-entropies over every label token
-(512 here) of bf16 logits; independent roundings average out, and plain transformers run in bf16 on
-the same batch moves the tiny models' loss (≈ 8.3) by ~1e-3. 2e-2 (verify's bound for a bf16 run's
-logged loss) is 20× that, and below one bf16 step of the loss itself (2^-8 × 8.3 ≈ 0.03), while a
-broken plan (a lost or doubled partial sum, attention across sequence shards, logits read as the
-wrong vocab shard) moves the loss by tenths or fails outright. GRAD_NORM_TOLERANCE: the step-1 global
-gradient norm checks the backward (norm weights' gradients summed over tp under SP, FSDP's fp32
-reduce-scatter); it is a root-sum-square of bf16-computed gradients, relative error a few 2^-8: 2 %.
+The plan itself is exact: run in float32 it reproduces the plain run (tiny-moe, native and hf:
+loss 8.33933, grad norm 3.6136, both as the plain run's to the printed digits).
+- LOSS_TOLERANCE 2e-2: the loss is the float32 mean of per-token cross-entropies over the batch's
+  512 label tokens, from bf16 logits; independent roundings average out. Measured: the plain run in
+  bf16 (no TP) moves the tiny models' loss (≈ 8.3) by 8e-5 to 1.6e-3, and the rehearsals stay within
+  1.4e-3. 2e-2 is ≥ 10× that and below one bf16 step of the loss itself (2^-8 × 8.3 ≈ 0.03), the
+  same bound verify puts on a bf16 run's logged loss. A plan error in the forward (a partial sum
+  lost or doubled, attention across sequence shards) changes a layer's output by O(1), not by
+  rounding; the hf path's logits read as the wrong vocab shard failed outright.
+- GRAD_NORM_TOLERANCE, relative, per model kind: the step-1 gradient norm checks the backward (norm
+  gradients summed over tp under SP, FSDP's fp32 reduce-scatter). Dense: a root-sum-square of
+  bf16-computed gradients, a few 2^-8: 2 % (measured 0.2-0.4 %). MoE: bf16 router logits flip the
+  top-k choice of near-tied tokens, and each flip moves whole expert gradients; the plain run in bf16
+  (no TP) is 7.8 % (native) and 10.3 % (hf) off its float32 norm on tiny-moe, and the rehearsals
+  are within 0.15 % of those bf16 plain runs, so 15 %.
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ from pipeline.training.rehearsal import Check
 from pipeline.training.resolve import RunRequest, resolve
 
 LOSS_TOLERANCE = 2e-2  # |rehearsed − plain| step-1 loss (bf16 plan vs fp32 run); see the module docstring
-GRAD_NORM_TOLERANCE = 2e-2  # relative, step-1 gradient norm
+GRAD_NORM_TOLERANCE = {"dense": 2e-2, "moe": 0.15}  # relative, step-1 gradient norm; see the module docstring
 # The two-node runs are the plain CPU run's world (2 ranks, fp32) split over two launches: same numbers.
 NODES_LOSS_TOLERANCE = 1e-5
 EXPORT_DTYPE = "float32"  # a 2-step bf16 plan at trn2's lr moves weights below bf16's resolution
@@ -176,9 +183,10 @@ def _rehearse_path(args, path: str, source: Path, out: Path, plain_run: RunDir, 
                               f"{step1['loss']:.6f} ({spec.settings.dtype}, TP {spec.settings.tensor_parallel}) vs "
                               f"plain {plain_step1['loss']:.6f} (float32): |diff| {diff:.2e} ≤ {LOSS_TOLERANCE:g}"))
     rel = abs(step1["grad_norm"] - plain_step1["grad_norm"]) / plain_step1["grad_norm"]
-    summary.check(path, Check("step-1 grad norm vs plain run", rel <= GRAD_NORM_TOLERANCE,
+    kind = "moe" if arch.is_moe else "dense"
+    summary.check(path, Check("step-1 grad norm vs plain run", rel <= GRAD_NORM_TOLERANCE[kind],
                               f"{step1['grad_norm']:.6f} vs plain {plain_step1['grad_norm']:.6f}: "
-                              f"relative diff {rel:.2e} ≤ {GRAD_NORM_TOLERANCE:g}"))
+                              f"relative diff {rel:.2e} ≤ {GRAD_NORM_TOLERANCE[kind]:g} ({kind})"))
     last = max((r["step"] for r in run.metric_records()), default=0)
     summary.check(path, Check("steps", last == args.steps, f"logged steps 1..{last} of {args.steps}"))
 
