@@ -63,7 +63,11 @@ def test_trn2_toml_is_read_at_run_time(config_dir):
                      ("sequence_parallel = true", "sequence_parallel = false"), ("lr = 1e-5", "lr = 3e-5")):
         assert old in text, old
         text = text.replace(old, new)
-    toml.write_text(text + "\n[paths.hf]\ndtype = \"float32\"\n")
+    if "[paths.hf]\n" in text:
+        text = text.replace("[paths.hf]\n", "[paths.hf]\ndtype = \"float32\"\n")
+    else:
+        text += "\n[paths.hf]\ndtype = \"float32\"\n"
+    toml.write_text(text)
     native, hf = rehearsal.plan("native", TINY), rehearsal.plan("hf", TINY)
     assert native.settings.activation_checkpoint == "full" and not native.settings.sequence_parallel
     assert native.settings.lr == 3e-5 and native.settings.dtype == "bfloat16"

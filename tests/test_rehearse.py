@@ -107,12 +107,14 @@ def test_the_trn2_plan_ran_on_every_rank(rehearsals, model, path):
 def test_each_path_runs_its_own_modules(rehearsals, model):
     summary, _ = rehearsals[model]
     classes = {path: set(summary["paths"][path]["ran"]["module_classes"]) for path in PATHS}
-    assert "Qwen3Attention" in classes["hf"] and "GQAttention" not in classes["hf"]
+    hf_attention = "Qwen3MoeAttention" if model == "tiny-moe" else "Qwen3Attention"
+    assert hf_attention in classes["hf"] and "GQAttention" not in classes["hf"]
     assert "GQAttention" in classes["native"] and "NkiRoPE" not in classes["native"]
-    assert "NkiRoPE" in classes["nki"]
+    assert "NkiRoPE" in classes["nki"] and "CosSinRoPE" not in classes["nki"]
     if model == "tiny-moe":
         assert {"NkiRouter", "NkiExperts"} <= classes["nki"]
         assert "LoopExperts" in classes["native"]
+        assert {"Qwen3MoeTopKRouterPipeline", "Qwen3MoeExpertsPipeline"} <= classes["hf"]
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -152,3 +154,12 @@ def test_two_nodes_run_the_rendered_commands(rehearsals):
             assert launch.IMAGE_PYTHON in pod and launch.RUN_JSON_IN_POD in pod
             run_json = command.rsplit(" ", 1)[1]
             assert pod.replace(launch.IMAGE_PYTHON, sys.executable).replace(launch.RUN_JSON_IN_POD, run_json) == command
+
+
+def test_make_rehearse_runs_the_stage():
+    import subprocess
+
+    result = subprocess.run(["make", "-n", "--no-print-directory", "rehearse", "MODEL=tiny-moe", "NODES=0"], cwd=REPO,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert ".venv/bin/python -m pipeline rehearse --model tiny-moe --nodes 0" in result.stdout

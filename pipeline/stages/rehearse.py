@@ -165,6 +165,9 @@ def _rehearse_path(args, path: str, source: Path, out: Path, plain_run: RunDir, 
     spec = resolve(RunRequest(model=args.model, path=path, target=rehearsal.HOST_TARGET, settings=planned.settings,
                               run_dir=out / path))
     spec.record_plan = True
+    print(f"  differences from configs/{rehearsal.PLAN_TARGET}.toml [train]/[paths.{path}]:", flush=True)
+    for d in planned.differences:
+        print(f"    {d.key}: {d.planned!r} → {d.rehearsed!r} ({d.reason})", flush=True)
     _timed(summary, path, lambda: train.launch(spec, fresh=True))
     run = RunDir(Path(spec.run_dir))
     entry = summary.data["paths"][path] = {
@@ -201,11 +204,12 @@ def _rehearse_path(args, path: str, source: Path, out: Path, plain_run: RunDir, 
 
 
 def _what_ran(records: list[dict]) -> dict:
-    """Rank 0's view, for the summary: mesh, collectives per mesh dimension, NKI/CPU modules."""
+    """Rank 0's view, for the summary: mesh, collectives per mesh dimension, the model's module
+    classes (which implementation each path trains: transformers', torchtitan's, NKI overrides)."""
     r = records[0]
-    classes = sorted({m["class"] for m in r["step"]["modules"].values()})
     return {"mesh": {k: v["size"] for k, v in r["mesh"]["dims"].items()}, "collectives": r["step"]["collectives"],
-            "module_classes": classes}
+            "module_classes": sorted(set(r["layout"]["modules"].values())),
+            "hooked_modules": sorted(r["step"]["modules"])}
 
 
 def _same_batch(plain: RunDir, rehearsed: RunDir, records: list[dict]) -> Check:

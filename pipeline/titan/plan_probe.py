@@ -2,7 +2,7 @@
 
 - layout: the device mesh, every parameter (plain tensor or DTensor: mesh dims, placements, global
   and local shape, dtype), FSDP's mixed-precision policy per sharded module, which modules are
-  activation-checkpointed and which are compiled.
+  activation-checkpointed and which are compiled, and every module's class.
 - step: over one training step (forward, backward, optimizer), the local shape and layout of the
   first input and output of every module that ran, the dtype of its weight while it ran (FSDP's
   compute dtype), and every collective issued, counted per kind and per mesh dimension.
@@ -102,9 +102,10 @@ def layout(model: torch.nn.Module) -> dict:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
     parameters = {canonical(name): describe(p) for name, p in model.named_parameters()}
-    fsdp, checkpointed, compiled = {}, [], []
+    fsdp, checkpointed, compiled, classes = {}, [], [], {}
     for name, module in model.named_modules():
         name = canonical(name) or "<root>"
+        classes.setdefault(name, type(module).__name__)
         if hasattr(module, "_get_fsdp_state"):
             policy = module._get_fsdp_state()._mp_policy
             fsdp[name] = {"param_dtype": str(policy.param_dtype).removeprefix("torch."),
@@ -113,7 +114,8 @@ def layout(model: torch.nn.Module) -> dict:
             checkpointed.append(name)
         if getattr(module, "_compiled_call_impl", None) is not None or type(module).__name__ == "OptimizedModule":
             compiled.append(name)
-    return {"parameters": parameters, "fsdp": fsdp, "activation_checkpointed": checkpointed, "compiled": compiled}
+    return {"parameters": parameters, "fsdp": fsdp, "activation_checkpointed": checkpointed, "compiled": compiled,
+            "modules": classes}
 
 
 def _group_name(namespace: str, args) -> str | None:
