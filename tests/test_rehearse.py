@@ -162,4 +162,5 @@ def test_make_rehearse_runs_the_stage():
     result = subprocess.run(["make", "-n", "--no-print-directory", "rehearse", "MODEL=tiny-moe", "NODES=0"], cwd=REPO,
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert ".venv/bin/python -m pipeline rehearse --model tiny-moe --nodes 0" in result.stdout
+    lines = [" ".join(line.split()) for line in result.stdout.splitlines()]
+    assert ".venv/bin/python -m pipeline rehearse --model tiny-moe --nodes 0" in lines

@@ -34,12 +34,14 @@ class PlanLandmarks:
     rowwise: str  # a row-parallel weight: Shard(1) on tp
 
 
-NATIVE_LANDMARKS = PlanLandmarks(embedding="tok_embeddings", head="lm_head", block="layers.0", norm="layers.0.attention_norm",
-                                 attention_input="layers.0.attention.qkv_linear",
-                                 colwise="layers.0.attention.qkv_linear.wqkv.weight", rowwise="layers.0.attention.wo.weight")
-HF_LANDMARKS = PlanLandmarks(embedding="model.embed_tokens", head="lm_head", block="model.layers.0", norm="model.layers.0.input_layernorm",
-                             attention_input="model.layers.0.self_attn.q_proj",
-                             colwise="model.layers.0.self_attn.q_proj.weight", rowwise="model.layers.0.self_attn.o_proj.weight")
+NATIVE_LANDMARKS = PlanLandmarks(
+    embedding="tok_embeddings", head="lm_head", block="layers.0", norm="layers.0.attention_norm",
+    attention_input="layers.0.attention.qkv_linear", colwise="layers.0.attention.qkv_linear.wqkv.weight",
+    rowwise="layers.0.attention.wo.weight")
+HF_LANDMARKS = PlanLandmarks(
+    embedding="model.embed_tokens", head="lm_head", block="model.layers.0", norm="model.layers.0.input_layernorm",
+    attention_input="model.layers.0.self_attn.q_proj", colwise="model.layers.0.self_attn.q_proj.weight",
+    rowwise="model.layers.0.self_attn.o_proj.weight")
 
 
 @dataclass(frozen=True)
