@@ -38,7 +38,7 @@ DTYPE|$(DTYPE)|export dtype: bfloat16 or float32
 MAX_SHARD_SIZE|5GB|largest export shard
 CHECKPOINT||verify-checkpoint: an HF directory to verify (with REFERENCE)
 REFERENCE||verify-checkpoint: the checkpoint it must match
-NODES|2|launch-slurm / launch-eks: number of trn2 nodes
+NODES|2|launch-slurm / launch-eks: number of trn2 nodes; rehearse: CPU "nodes" of its two-node run (0 skips it)
 IN_CONTAINER|$(IN_CONTAINER)|1: run stages inside the pipeline image (default 1 on a Neuron host whose venv lacks torch-neuronx)
 IMAGE|lock tag|the image IN_CONTAINER uses
 BASE_IMAGE|Neuron 2.33 DLC|the image `make image` builds on
@@ -78,7 +78,7 @@ TRAIN_DEPS := $(if $(call on,DRY_RUN),,download data)
 EMBEDDED_MODELS := tiny tiny-moe
 
 .PHONY: help setup python-check download data train-hf train-native train-nki export verify-checkpoint \
-        verify-kernels report image doctor launch-slurm launch-eks pipeline test bench clean distclean
+        verify-kernels report image doctor launch-slurm launch-eks rehearse pipeline test bench clean distclean
 
 help: ## list the targets and variables
 	@echo "targets:"
@@ -142,6 +142,9 @@ launch-slurm: setup ## render an sbatch script for NODES trn2 nodes
 launch-eks: setup ## render Kubernetes manifests for NODES trn2 nodes
 	$(HOST_PIPE) launch --scheduler eks --nodes $(or $(NODES),2) --model $(MODEL) --path $(TRAIN_PATH)
 
+rehearse: setup download data ## trn2.toml's parallel plan on CPU ranks (hf, native, nki), export + verify each, and the launch files on NODES "nodes" → checkpoints/<key>/rehearse
+	$(PIPE) rehearse --model $(MODEL) $(if $(STEPS),--steps $(STEPS)) --nodes $(or $(NODES),2)
+
 pipeline: setup ## the whole pipeline on the embedded defaults (tiny and tiny-moe)
 	set -e; for m in $(EMBEDDED_MODELS); do \
 	  for p in hf native nki; do \
@@ -158,7 +161,7 @@ bench: setup ## measure overhead, time to first step, scaling, export/verify, me
 	BENCH_REPEATS=$(BENCH_REPEATS) BENCH_ONLY=$(BENCH_ONLY) $(PY) bench/run.py
 
 clean: ## remove every run, report and data under checkpoints/ (keeps downloaded weights and .venv)
-	test ! -d $(CHECKPOINTS) || find $(CHECKPOINTS) -mindepth 2 -maxdepth 2 \( -name runs -o -name data -o -name report -o -name launch \) -exec rm -rf {} +
+	test ! -d $(CHECKPOINTS) || find $(CHECKPOINTS) -mindepth 2 -maxdepth 2 \( -name runs -o -name data -o -name report -o -name launch -o -name rehearse \) -exec rm -rf {} +
 
 distclean: ## remove everything: all of checkpoints/ (downloads too) and .venv
 	test ! -d $(CHECKPOINTS) || find $(CHECKPOINTS) -mindepth 1 -maxdepth 1 ! -name README.md -exec rm -rf {} +

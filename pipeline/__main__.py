@@ -21,6 +21,7 @@ STAGES = {
     "image": ("pipeline.stages.image", "build the container image through the Docker SDK"),
     "doctor": ("pipeline.stages.doctor", "what this host has vs what the pipeline needs"),
     "launch": ("pipeline.stages.launch", "render multi-node launch files (Slurm sbatch, EKS manifests)"),
+    "rehearse": ("pipeline.stages.rehearse", "run configs/trn2.toml's parallel plan on CPU ranks, and the launch files on two nodes"),
 }
 
 

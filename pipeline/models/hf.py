@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from torchtitan.protocols.model import BaseModel
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
@@ -32,6 +33,58 @@ ATTENTION = "sdpa"
 # transformers' per-expert loop runs in the parameters' dtype; grouped_mm kernels would not
 # (and are not what a float32 comparison with the native path can use).
 EXPERTS = "eager"
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A parameter the TP plan replicated over tp (a Replicate DTensor) as the plain tensor the
+    module computes with; its gradient comes back Replicate, which is right because every tp rank
+    runs the module on the same full input."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _router_forward(self, hidden_states: torch.Tensor):
+    """transformers' Qwen3MoeTopKRouter.forward with the top-k renormalisation out of place.
+
+    transformers divides topk's output in place (`router_top_value /= …`); torchtitan's selective
+    activation checkpointing saves topk's outputs (so a recompute routes tokens the same way) and
+    refuses a saved tensor that was mutated, so the hf path's MoE could not train with
+    activation_checkpoint = "selective" (trn2.toml, cuda.toml). Same arithmetic otherwise; under
+    TP the weight is replicated over tp and used locally.
+    """
+    import torch.nn.functional as F
+
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states, _local(self.weight))
+    router_probs = F.softmax(router_logits, dtype=torch.float, dim=-1)
+    router_top_value, router_indices = torch.topk(router_probs, self.top_k, dim=-1)
+    if self.norm_topk_prob:
+        router_top_value = router_top_value / router_top_value.sum(dim=-1, keepdim=True)
+    return router_logits, router_top_value.to(router_logits.dtype), router_indices
+
+
+def _experts_forward(self, *args):
+    """transformers' expert loop, on the local tensors of tp-replicated parameters (its index ops
+    have no DTensor rules); unchanged without TP."""
+    from torch.distributed.tensor import DTensor
+
+    params = dict(self.named_parameters(recurse=False))
+    if not any(isinstance(p, DTensor) for p in params.values()):
+        return type(self).__mro__[1].forward(self, *args)
+    return torch.func.functional_call(self, {name: _local(p) for name, p in params.items()}, args)
+
+
+# transformers class name → what the hf path runs instead (a subclass with this forward).
+_REPLACED_FORWARDS = {"Qwen3MoeTopKRouter": _router_forward, "Qwen3MoeExperts": _experts_forward}
+_SUBCLASSES: dict[type, type] = {}
+
+
+def _with_forward(cls: type) -> type:
+    if cls not in _SUBCLASSES:
+        forward = _REPLACED_FORWARDS[cls.__name__]
+        _SUBCLASSES[cls] = type(f"{cls.__name__}Pipeline", (cls,), {"forward": forward})
+    return _SUBCLASSES[cls]
 
 
 def block_causal_mask(positions: torch.Tensor) -> torch.Tensor:
@@ -85,6 +138,9 @@ class HFQwen3(BaseModel):
         self.lm_head = causal.lm_head
         self.tied = bool(causal.config.tie_word_embeddings)
         object.__setattr__(self, "_causal", causal)
+        for module in self.model.modules():
+            if type(module).__name__ in _REPLACED_FORWARDS:
+                module.__class__ = _with_forward(type(module))
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -116,51 +172,124 @@ class HFQwen3(BaseModel):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, **unused) -> torch.Tensor:
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape[0], -1)
-            mask = None  # plain causal: transformers builds it
-        else:
-            # Packed documents: positions restart per document (RoPE) and a block-causal mask
-            # keeps attention inside each document, as torchtitan's native path does.
-            mask = block_causal_mask(positions)
+        # Packed documents: positions restart per document (RoPE) and a block-causal mask keeps
+        # attention inside each document, as torchtitan's native path does. The mask is always
+        # passed: under sequence parallelism transformers would size its own from the embedding's
+        # local sequence shard.
+        mask = block_causal_mask(positions)
         hidden = self.model(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=False)
         return self.lm_head(hidden.last_hidden_state)
 
 
-# TP plan over the tp mesh (no sequence parallelism): transformers' base_model_tp_plan for
-# Qwen3, written as torch ParallelStyles. q_norm/k_norm run on the local heads, so their
-# weights are replicated DTensors whose gradients are summed over tp (SequenceParallel on the
-# heads dim does exactly that).
-def tp_plan() -> dict[str, Any]:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+# The TP plan, as torch ParallelStyles: the Megatron layout torchtitan's own Qwen3 uses
+# (torchtitan.models.common.decoder_sharding), written for transformers' module names.
+# - heads and MLP: q/k/v, gate/up colwise, o/down rowwise; q_norm/k_norm act on the local heads, so
+#   their weights are replicated DTensors whose gradients are summed over tp (SequenceParallel on
+#   the heads dim does exactly that).
+# - embedding rowwise (vocab-sharded table) and lm_head colwise with vocab-sharded logits left as
+#   local tensors: torchtitan's loss (spmd_types backend) takes a TP run's logits as the local vocab
+#   shard and computes a vocab-parallel cross-entropy. Both tables are Shard(0) on tp, so a tied
+#   embedding stays one parameter.
+# - sequence parallelism (optional): the residual stream between blocks and the norms hold the
+#   local sequence shard (Shard(1)); attention and MLP inputs are all-gathered to the full sequence
+#   and their rowwise outputs reduce-scattered back to shards.
+# - Qwen3-MoE blocks: experts and router are not split over tp (transformers' experts are one
+#   fused tensor per projection, routed with index ops a ParallelStyle cannot shard); each tp rank
+#   runs the whole block on the full sequence (all-gathered under SP, then sliced back to its shard).
+# - whatever is not split is still a DTensor on the tp mesh (Replicate): FSDP then puts every
+#   parameter on the same (dp_shard, tp) mesh, which gradient clipping and the optimizer need
+#   (a mix of 1-D and 2-D DTensors fails in torch.stack of the per-parameter norms).
+class ReplicateParameters(ParallelStyle):
+    """Every parameter of the module becomes a Replicate DTensor on the tp mesh; the module computes
+    on their local tensors (see _local), with inputs and outputs untouched."""
 
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        from torch.distributed.tensor import distribute_module
+
+        return distribute_module(module, device_mesh)  # the default partition replicates every parameter
+
+
+def root_tp_plan(sequence_parallel: bool) -> dict[str, Any]:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+    from torchtitan.distributed.tensor_parallel import NoParallel
+
+    stream = Shard(1) if sequence_parallel else Replicate()
     return {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
+        "model.norm": SequenceParallel() if sequence_parallel else NoParallel(use_local_output=True),
+        "lm_head": ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=True),
+    }
+
+
+def layer_tp_plan(sequence_parallel: bool, is_moe: bool) -> dict[str, Any]:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleInputOutput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+    from torchtitan.distributed.tensor_parallel import NoParallel
+
+    stream = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, Any] = {
         "self_attn.q_proj": ColwiseParallel(),
         "self_attn.k_proj": ColwiseParallel(),
         "self_attn.v_proj": ColwiseParallel(),
         "self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
         "self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-        "self_attn.o_proj": RowwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(output_layouts=stream),
+    }
+    norm = SequenceParallel() if sequence_parallel else NoParallel(use_local_output=True)
+    plan |= {"input_layernorm": norm, "post_attention_layernorm": norm}
+    if sequence_parallel:
+        plan |= {
+            # the decoder layer passes hidden_states to self_attn by keyword
+            "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                            desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                                            use_local_output=True),
+        }
+    if is_moe:
+        plan |= {"mlp.gate": ReplicateParameters(), "mlp.experts": ReplicateParameters()}
+        if sequence_parallel:
+            plan["mlp"] = PrepareModuleInputOutput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+                output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True)
+        return plan
+    plan |= {
         "mlp.gate_proj": ColwiseParallel(),
         "mlp.up_proj": ColwiseParallel(),
-        "mlp.down_proj": RowwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=stream),
     }
+    if sequence_parallel:
+        plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                         use_local_output=True)
+    return plan
+
+
+def apply_tp(model: "HFQwen3", tp_mesh, sequence_parallel: bool) -> None:
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    parallelize_module(model, tp_mesh, root_tp_plan(sequence_parallel))
+    for layer in model.layers:
+        parallelize_module(layer, tp_mesh, layer_tp_plan(sequence_parallel, is_moe=hasattr(layer.mlp, "experts")))
+    if model.tied:
+        # Each style replaced its module's parameter with its own DTensor; tie them again (same
+        # placement, Shard(0) on tp) before FSDP groups them.
+        model.model.embed_tokens.weight = model.lm_head.weight
 
 
 def parallelize_hf_qwen3(model: HFQwen3, *, parallel_dims, training, parallelism, compile_config, ac_config,
                          dump_folder, **_):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.distributed.tensor.parallel import parallelize_module
     from torchtitan.config import TORCH_DTYPE_MAP
     from torchtitan.distributed.compile import apply_compile
     from torchtitan.distributed.fsdp import disable_fsdp_gradient_division, get_fsdp_reshard_after_forward_policy
 
     if parallel_dims.tp_enabled:
-        if parallelism.enable_sequence_parallel:
-            raise ValueError("the hf path's TP plan has no sequence parallelism; set sequence_parallel = false")
-        tp_mesh = parallel_dims.get_mesh("tp")
-        plan = tp_plan()
-        for layer in model.layers:
-            is_moe = hasattr(layer.mlp, "experts")
-            parallelize_module(layer, tp_mesh, {k: v for k, v in plan.items() if not (is_moe and k.startswith("mlp."))})
+        apply_tp(model, parallel_dims.get_mesh("tp"), parallelism.enable_sequence_parallel)
     if ac_config is not None:
         ac_config.build(dump_folder=dump_folder).apply(model.model)
     if compile_config.enable and "model" in compile_config.components:

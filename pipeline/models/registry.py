@@ -22,12 +22,37 @@ CPU_EXPERTS = "pipeline.models.cpu_overrides.loop_experts"
 
 
 @dataclass(frozen=True)
+class PlanLandmarks:
+    """Where a path's model shows its parallel plan (module and parameter names, wrappers left out),
+    read by the rehearsal's checks (pipeline.training.rehearsal.check_plan)."""
+
+    embedding: str  # its output is the residual stream: a sequence shard under SP
+    head: str  # the output projection: sees the full sequence, gives vocab-sharded logits
+    block: str  # the first transformer block: its input is the residual stream (a sequence shard under SP)
+    norm: str  # the block's first norm: runs on the sequence shard under SP
+    attention_input: str  # the module that projects q/k/v: sees the full sequence
+    colwise: str  # a column-parallel weight: Shard(0) on tp
+    rowwise: str  # a row-parallel weight: Shard(1) on tp
+
+
+NATIVE_LANDMARKS = PlanLandmarks(
+    embedding="tok_embeddings", head="lm_head", block="layers.0", norm="layers.0.attention_norm",
+    attention_input="layers.0.attention.qkv_linear", colwise="layers.0.attention.qkv_linear.wqkv.weight",
+    rowwise="layers.0.attention.wo.weight")
+HF_LANDMARKS = PlanLandmarks(
+    embedding="model.embed_tokens", head="lm_head", block="model.layers.0", norm="model.layers.0.input_layernorm",
+    attention_input="model.layers.0.self_attn.q_proj", colwise="model.layers.0.self_attn.q_proj.weight",
+    rowwise="model.layers.0.self_attn.o_proj.weight")
+
+
+@dataclass(frozen=True)
 class TrainingPath:
     name: str
     summary: str
     build: Callable[[RunSpec], object]  # RunSpec -> torchtitan ModelSpec
     overrides: Callable[[str, TrainSettings], tuple[str, ...]] = lambda target, settings: ()  # -> override.imports
     prepare: Callable[[RunSpec], None] | None = None  # launcher side, dry runs too
+    landmarks: PlanLandmarks = NATIVE_LANDMARKS
     colour: str = "tab:gray"  # report: fixed per path so a path keeps its look from report to report
     line: tuple[str, str] = ("-", "o")
 
@@ -64,6 +89,17 @@ def _nki_overrides(target: str, settings: TrainSettings) -> tuple[str, ...]:
     return tuple(o for o in _native_overrides(target, settings) if o not in replaced)
 
 
+def _prepare_hf(spec: RunSpec) -> None:
+    s = spec.settings
+    if s.compile and s.tensor_parallel > 1:
+        # Found by `make rehearse`: transformers' Qwen3 with the TP plan's ParallelStyles, compiled
+        # per block, trains with a step-1 gradient norm 2.7 % off the plain run even in float32 (loss
+        # exact; eager and the native path compiled agree). Refused rather than trained wrong.
+        raise PipelineError("the hf path's tensor-parallel plan computes wrong gradients under torch.compile "
+                            f"(compile = true with tensor_parallel = {s.tensor_parallel}).",
+                            "set compile = false for the hf path ([paths.hf] in the config) or tensor_parallel = 1.")
+
+
 def _prepare_nki(spec: RunSpec) -> None:
     from pipeline.models.nki import prepare
 
@@ -74,7 +110,7 @@ PATHS: dict[str, TrainingPath] = {
     p.name: p
     for p in (
         TrainingPath("hf", "Transformers v5's own Qwen3 (AutoModelForCausalLM from config.json) trained by torchtitan",
-                     _hf, colour="tab:blue", line=("-", "o")),
+                     _hf, prepare=_prepare_hf, landmarks=HF_LANDMARKS, colour="tab:blue", line=("-", "o")),
         TrainingPath("native", "torchtitan's own Qwen3 (dense and MoE)", _native, overrides=_native_overrides,
                      colour="tab:orange", line=("--", "s")),
         # Same model as native: the NKI modules come in through override.imports, so parameter

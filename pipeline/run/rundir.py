@@ -5,6 +5,7 @@
   checkpoint/step-N/     torchtitan DCP + model_weights.safetensors (the complete-checkpoint mark)
   export/                the HF export                        verify.json     verify's result
   logs/, tb/             per-rank logs, TensorBoard events    .lock           held by a live launch
+  plan/rank*.json        what each rank ran (parallel layout, step 1), when the run records it (rehearse)
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ VERIFY = "verify.json"
 LOGS = "logs"
 TENSORBOARD = "tb"
 LOCK = ".lock"
+PLAN = "plan"
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,15 @@ class RunDir:
     @property
     def lock(self) -> Path:
         return self.path / LOCK
+
+    @property
+    def plan(self) -> Path:
+        return self.path / PLAN
+
+    def plan_records(self) -> list[dict]:
+        """Every rank's plan/rank<N>.json, in rank order."""
+        files = sorted(self.plan.glob("rank*.json"), key=lambda f: int(f.stem.removeprefix("rank")))
+        return [json.loads(f.read_text()) for f in files]
 
     def exists(self) -> bool:
         return self.run_json.is_file()

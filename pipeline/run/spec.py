@@ -37,6 +37,7 @@ class RunSpec:
     titan_args: list = field(default_factory=list)  # torchtitan CLI flags applied over the built config
     nki: dict = field(default_factory=dict)  # the nki path's plan (overrides, kernels, constraints)
     memory: dict = field(default_factory=dict)  # training.memory's estimate of device memory per rank
+    record_plan: bool = False  # every rank writes plan/rank<N>.json (layout, step 1); the rehearsal sets it
 
     @property
     def world_size(self) -> int:

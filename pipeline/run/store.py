@@ -1,4 +1,4 @@
-"""Where a model's files live: checkpoints/<key>/{source.json, source/, data/, runs/<path>/, report/}.
+"""Where a model's files live: checkpoints/<key>/{source.json, source/, data/, runs/<path>/, report/, rehearse/}.
 
 The key is the full source, so two sources never share a folder: an embedded name (`tiny`), a
 Hub id (`Qwen/Qwen3-0.6B` → `Qwen--Qwen3-0.6B`), or a local directory (`local--<name>-<8 hex of
@@ -99,6 +99,11 @@ class ModelHome:
     @property
     def launch(self) -> Path:
         return self.dir / "launch"
+
+    @property
+    def rehearse(self) -> Path:
+        """`make rehearse`: the trn2 plan's runs on CPU, the plain run they are compared with, two-node runs."""
+        return self.dir / "rehearse"
 
     def run(self, path: str) -> RunDir:
         return RunDir(self.runs / path)

@@ -25,6 +25,9 @@ from pipeline.training.resolve import RunRequest, resolve
 
 # Libfabric over EFA with GPU/Neuron-direct RDMA; fork-safe because torchrun forks ranks.
 EFA_ENV = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1"}
+# Per target, what a node needs beyond the target's own launch environment. trn2 nodes talk over
+# EFA; CPU nodes (the rehearsal of these files, `make rehearse`) over TCP with gloo.
+LAUNCH_ENV = {"trn2": EFA_ENV, "cpu": {}}
 RDZV_PORT = 29500
 # trn2.48xlarge: 16 Trainium2 devices and 16 EFA interfaces per node.
 NEURON_DEVICES_PER_NODE = 16
@@ -56,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--path", default="native", choices=registry.names())
     parser.add_argument("--steps", type=int)
     parser.add_argument("--seq-len", type=int)
+    parser.add_argument("--nproc-per-node", type=int, help="ranks per node (default: the target's config)")
+    parser.add_argument("--target", default="trn2", choices=tuple(LAUNCH_ENV),
+                        help="trn2 nodes; cpu renders the same files for CPU machines (the rehearsal runs them)")
     parser.add_argument("--image", help="image reference the cluster can pull (default: the lock-derived tag)")
     parser.add_argument("--runtime", default="pyxis", choices=("pyxis", "venv"),
                         help="slurm: run in the image via pyxis/enroot, or in a venv on the shared filesystem")
@@ -67,6 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--namespace", default="default")
     parser.add_argument("--pvc", default="fsx-claim", help="eks: PersistentVolumeClaim holding the checkpoints")
     parser.add_argument("--output", type=Path, help="where to write (default: checkpoints/<key>/launch/<scheduler>-<N>)")
+    parser.add_argument("--run-dir", help="the run's directory as the nodes see it "
+                        "(default: <cluster checkpoints>/<key>/runs/<path>)")
 
 
 def plan(args: argparse.Namespace) -> LaunchPlan:
@@ -77,8 +85,10 @@ def plan(args: argparse.Namespace) -> LaunchPlan:
     if not cluster_ckpt.startswith("/"):
         raise PipelineError(f"--cluster-checkpoints {cluster_ckpt!r} is not absolute.", "give an absolute path.")
     # The trn2 run with the paths the nodes see; TP/FSDP checked against the multi-node world.
-    spec = resolve(RunRequest(model=args.model, path=args.path, target="trn2", steps=args.steps, seq_len=args.seq_len,
-                              nnodes=args.nodes, dry_run=True, checkpoints_root=Path(cluster_ckpt)))
+    spec = resolve(RunRequest(model=args.model, path=args.path, target=args.target, steps=args.steps,
+                              seq_len=args.seq_len, nproc_per_node=args.nproc_per_node, nnodes=args.nodes,
+                              dry_run=True, checkpoints_root=Path(cluster_ckpt),
+                              run_dir=Path(args.run_dir) if args.run_dir else None))
     output = args.output or store.home(args.model).launch / f"{args.scheduler}-{args.nodes}"
     return LaunchPlan(
         scheduler=args.scheduler, nodes=args.nodes, image=args.image or default_tag(), runtime=args.runtime,
@@ -94,7 +104,9 @@ def node_command(spec: RunSpec, python: str, run_json: str) -> str:
 
 
 def _env_lines(plan_: LaunchPlan) -> dict:
-    return {**targets.TARGETS["trn2"].env, **EFA_ENV, targets.NEFF_CACHE_ENV: plan_.compile_cache,
+    target = plan_.spec.target
+    cache = {targets.NEFF_CACHE_ENV: plan_.compile_cache} if target == "trn2" else {}
+    return {**targets.TARGETS[target].env, **LAUNCH_ENV[target], **cache,
             "PIPELINE_CHECKPOINTS": plan_.cluster_checkpoints, "PYTHONUNBUFFERED": "1"}
 
 
@@ -125,9 +137,9 @@ set -euo pipefail
 {exports}
 MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
 export MASTER_ADDR
-export MASTER_PORT={RDZV_PORT}
+export MASTER_PORT="${{MASTER_PORT:-{RDZV_PORT}}}"
 export RDZV_ID="$SLURM_JOB_ID"
-mkdir -p "${targets.NEFF_CACHE_ENV}"
+{f'mkdir -p "${targets.NEFF_CACHE_ENV}"' if spec.target == "trn2" else ""}
 
 # Quoted heredoc: ${{MASTER_ADDR}} and friends expand on each node, not here.
 NODE_CMD="$(cat <<'NODE'
@@ -182,6 +194,8 @@ def render_eks(plan_: LaunchPlan) -> dict[str, str]:
             },
         },
     }
+    if spec.target != "trn2":  # CPU nodes (the rehearsal): no Neuron devices, EFA or trn2 instance type
+        del container["resources"], container["securityContext"], job["spec"]["template"]["spec"]["nodeSelector"]
     for doc in (config_map, service, job):
         doc["metadata"]["namespace"] = plan_.namespace
     text = "# Rendered by `python -m pipeline launch --scheduler eks`. Apply: kubectl apply -f job.yaml\n"

@@ -23,6 +23,7 @@ from pipeline.models import registry
 from pipeline.run import targets
 from pipeline.run.rundir import RunDir
 from pipeline.titan import compat
+from pipeline.run.spec import RunSpec
 from pipeline.training import torchrun
 from pipeline.training.resolve import RunRequest, resolve
 
@@ -96,9 +97,16 @@ def run(args: argparse.Namespace):
         print("launch command:")
         print(" ".join(part for part in (env_prefix, shlex.join(command)) if part))
         return spec
+    return launch(spec, fresh=args.fresh)
+
+
+def launch(spec: RunSpec, fresh: bool = False) -> RunSpec:
+    """Run a resolved spec's torchrun command in its run directory (locked while it lives)."""
+    target = targets.TARGETS[spec.target]
+    command = torchrun.command(spec)
     run_dir = RunDir(Path(spec.run_dir))
     with RunLock(run_dir):
-        if args.fresh:
+        if fresh:
             for item in run_dir.path.iterdir():
                 if item != run_dir.lock:
                     shutil.rmtree(item) if item.is_dir() and not item.is_symlink() else item.unlink()

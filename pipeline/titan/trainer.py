@@ -148,11 +148,30 @@ class WeightsCheckpointManager(compat.checkpoint_manager_base()):
 
 
 class PipelineTrainer(Trainer):
-    """Saves every rank's first batch so any later check can recompute the step-1 loss."""
+    """Saves every rank's first batch so any later check can recompute the step-1 loss, and, when
+    asked (`record_plan`), what the rank really runs: its parallel layout and step 1 (plan_probe)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
         run_dir: str = ""
+        record_plan: bool = False
+        """Write <run dir>/plan/rank<N>.json: layout after parallelisation, module I/O and collectives of step 1."""
+
+    def forward_backward_step(self, **kwargs):
+        if not self.config.record_plan or self.step != 1 or getattr(self, "_plan_recorded", False):
+            return super().forward_backward_step(**kwargs)
+        from pipeline.titan import plan_probe
+
+        model = self.model_parts[0]
+        record = {"mesh": plan_probe.mesh_record(self.parallel_dims), "layout": plan_probe.layout(model)}
+        with plan_probe.StepProbe(model, plan_probe.group_labels(self.parallel_dims),
+                                  compiled=record["layout"]["compiled"]) as probe:
+            loss = super().forward_backward_step(**kwargs)
+        record["step"] = probe.record()
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        plan_probe.write(RunDir(Path(self.config.run_dir)).plan / f"rank{rank}.json", record)
+        self._plan_recorded = True
+        return loss
 
     def batch_generator(self, data_iterable):
         saved = False

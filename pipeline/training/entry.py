@@ -44,6 +44,7 @@ def build_config(spec: RunSpec):
     model_spec = registry.get(spec.path).build(spec)
     config = PipelineTrainer.Config(
         run_dir=str(run_dir),
+        record_plan=spec.record_plan,
         model_spec=model_spec,
         hf_assets_path=spec.source_dir,
         dump_folder=str(run_dir),

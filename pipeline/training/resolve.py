@@ -17,6 +17,7 @@ from pipeline.errors import PipelineError
 from pipeline.models import registry
 from pipeline.run import settings as settings_mod
 from pipeline.run import store, targets
+from pipeline.run.settings import TrainSettings
 from pipeline.run.spec import RunSpec
 from pipeline.training import dataset
 from pipeline.training import memory
@@ -41,12 +42,14 @@ class RunRequest:
     titan_args: tuple[str, ...] = ()
     dry_run: bool = False
     checkpoints_root: Path | None = None  # where the nodes see checkpoints/ (launch); default this host's
+    settings: TrainSettings | None = None  # given whole (rehearse): no config file is read, flags still apply
+    run_dir: Path | None = None  # default: the model's runs/<path>
 
 
 def resolve(request: RunRequest) -> RunSpec:
     path = registry.get(request.path)
     target = targets.resolve(request.target)
-    cfg = settings_mod.load(target.name, path.name, registry.names(), request.config)
+    cfg = request.settings or settings_mod.load(target.name, path.name, registry.names(), request.config)
     cfg = settings_mod.with_flags(cfg, steps=request.steps, seq_len=request.seq_len,
                                   nproc_per_node=request.nproc_per_node, nnodes=request.nnodes,
                                   dataset=request.dataset)
@@ -60,7 +63,7 @@ def resolve(request: RunRequest) -> RunSpec:
     data = dataset.resolve(cfg.dataset, home.data_file, check_local=not request.dry_run, model=request.model)
     spec = RunSpec(
         model=request.model, model_key=home.source.key, path=path.name, target=target.name,
-        source_dir=str(source_dir), run_dir=str(home.run(path.name).path), arch=arch, settings=cfg,
+        source_dir=str(source_dir), run_dir=str(request.run_dir or home.run(path.name).path), arch=arch, settings=cfg,
         data_kind=data.kind, data_file=data.file,
         peak_flops_per_rank=target.peak_flops_per_rank(cfg.lnc),
         overrides=list(path.overrides(target.name, cfg)), titan_args=list(request.titan_args),
