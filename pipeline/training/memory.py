@@ -7,7 +7,7 @@ path's plan shards them; FSDP's working set (one unit all-gathered in the comput
 prefetched, and one unit's unsharded float32 gradients); activations at the chosen checkpointing,
 sequence length and local batch; the logits and the float32 log-softmax of the loss. Not modelled:
 the runtime's and collectives' own buffers, compiler scratch and allocator fragmentation — hence
-HEADROOM. tests/test_memory_estimate.py and bench/memory_estimate.py compare it with measured peaks.
+HEADROOM. tests/test_training_memory.py and bench/memory_estimate.py compare it with measured peaks.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """pipeline.models.hf in one process: the MoE router trains under torchtitan's selective activation
 checkpointing (trn2.toml's and cuda.toml's setting), with transformers' own arithmetic, and the TP
 plan covers every weight of a block, with sequence parallelism when asked. The plan running on
-ranks is tests/test_rehearse.py."""
+ranks is tests/test_stages_rehearse.py."""
 
 from __future__ import annotations
 

@@ -14,11 +14,6 @@ from pipeline.__main__ import main
 
 MODELS = tomllib.loads((REPO / "configs" / "models.toml").read_text())
 PATHS = ("hf", "native", "nki")
-NKI_DENSE = pytest.mark.xfail(
-    strict=True,
-    reason="issue 12 finding 1 (the nki helper's): MoE kernel rules (moe_cte) are applied to dense models; "
-           "drop this mark when nki overrides for MoE attach only to models with experts")
-
 # (model, path) -> None: the 64-rank command; or a regex the one-line refusal must match, and why it holds.
 EXPECTED = {
     ("Qwen/Qwen3-0.6B", "hf"): None,
@@ -44,7 +39,7 @@ def test_the_matrix_covers_every_known_hub_model_with_a_config():
 
 
 @pytest.mark.parametrize("model,path", [
-    pytest.param(m, p, marks=NKI_DENSE) if p == "nki" and "30B" not in m else (m, p)
+    (m, p)
     for m in MODELS for p in PATHS])
 def test_trn2_dry_run(model, path, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PIPELINE_CHECKPOINTS", str(tmp_path))
