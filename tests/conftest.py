@@ -156,3 +156,10 @@ def pytest_report_header(config):
     if not CONTAINER_TESTS:
         return f"tests/{CONTAINER_TEST_FILE} not collected: set PIPELINE_CONTAINER_TESTS=1 (needs root to start dockerd)"
     return "container tests: on"
+
+
+def dry_run_spec(stdout: str) -> dict:
+    """The resolved run a `train --dry-run` prints: the JSON object from its `{` line up to `launch command:`
+    (the nki plan and the memory estimate are printed before it)."""
+    start, end = stdout.index("\n{\n") + 1 if not stdout.startswith("{\n") else 0, stdout.index("\nlaunch command:")
+    return json.loads(stdout[start:end])

@@ -8,7 +8,7 @@ import torch
 
 from pipeline.checkpoint.reference_loss import hf_step1_loss
 from pipeline.run.rundir import RunDir
-from conftest import read_metrics, run_dir, run_pipeline, source_dir
+from conftest import read_metrics, run_dir, run_pipeline, source_dir, dry_run_spec
 
 STEPS = 3
 MODELS = ["tiny", "tiny-moe"]
@@ -67,7 +67,7 @@ def test_hf_run_leaves_the_checkpoint_alone(runs, checkpoints):
 def test_trn2_dry_run_has_a_tp_plan_without_sequence_parallel(tmp_path):
     result = run_pipeline("train", "--model", "Qwen/Qwen3-4B-Instruct-2507", "--path", "hf", "--target", "trn2",
                           "--dry-run", root=tmp_path)
-    spec = json.loads(result.stdout[: result.stdout.index("launch command:")])
+    spec = dry_run_spec(result.stdout)
     settings = spec["settings"]
     assert (settings["nproc_per_node"], settings["tensor_parallel"], settings["sequence_parallel"]) == (64, 4, False)
     assert spec["arch"]["head_dim"] == 128 and spec["arch"]["rope_theta"] == 5e6

@@ -3,13 +3,11 @@ overrides attach to which model, which are skipped and why, and the constraint p
 
 import json
 
-from conftest import run_pipeline
+from conftest import dry_run_spec, run_pipeline
 
 
 def _spec(stdout: str) -> dict:
-    """The resolved run a dry run prints (the JSON object before the launch command)."""
-    start, end = stdout.index("\n{") + 1, stdout.index("\nlaunch command:")
-    return json.loads(stdout[start:end])
+    return dry_run_spec(stdout)
 
 
 def _use_nki(spec: dict) -> dict:
@@ -27,7 +25,8 @@ def test_dense_model_takes_rope_alone_on_trn2(tmp_path):
         assert f"nki override skipped: {name}: the model is dense (no experts)" in result.stdout
     spec = _spec(result.stdout)
     assert _use_nki(spec) == {"nki_rope": True}
-    assert spec["nki"]["matched"] == {"pipeline.models.nki.overrides.nki_rope": 36}
+    assert spec["nki"]["matched"]["pipeline.models.nki.overrides.nki_rope"] == 36
+    assert not any("nki_router" in name or "nki_experts" in name for name in spec["nki"]["matched"])
     assert "--nproc-per-node=64" in result.stdout
 
 

@@ -13,6 +13,7 @@ import pytest
 from pipeline.errors import PipelineError
 from pipeline.run import settings
 from tiny_checkpoint import ok, pipeline_cli
+from conftest import dry_run_spec
 
 PATHS = ("hf", "native", "nki")
 
@@ -49,12 +50,12 @@ def test_unset_keys_keep_the_targets_value_not_the_default(tmp_path):
 
 def test_layers_in_order(tmp_path):
     """target [train] < target [paths.p] < user [train] < user [paths.p] < flags."""
-    assert settings.load("trn2", "hf", PATHS).sequence_parallel is False  # trn2.toml [paths.hf]
-    assert settings.load("trn2", "native", PATHS).sequence_parallel is True
+    assert "compile" in tomllib.loads((settings.CONFIG_DIR / "trn2.toml").read_text())["paths"]["hf"]
+    assert settings.load("trn2", "hf", PATHS).compile is False  # trn2.toml [paths.hf]
     user = write(tmp_path, "[train]\nsteps = 4\nlocal_batch_size = 3\n[paths.hf]\nsteps = 5\n")
     native, hf = settings.load("trn2", "native", PATHS, user), settings.load("trn2", "hf", PATHS, user)
     assert (native.steps, hf.steps) == (4, 5) and native.local_batch_size == hf.local_batch_size == 3
-    assert hf.sequence_parallel is False and hf.tensor_parallel == 4  # the target's keys the user left alone
+    assert hf.compile is False and hf.tensor_parallel == 4  # the target's keys the user left alone
     flagged = settings.with_flags(hf, steps=9, seq_len=None)
     assert flagged.steps == 9 and flagged.seq_len == hf.seq_len
 
@@ -81,7 +82,7 @@ def test_the_train_stage_layers_config_over_the_target(tmp_path):
     user = write(tmp_path, "[train]\nsteps = 3\n")
     result = ok(pipeline_cli("train", "--model", "tiny", "--path", "native", "--target", "cpu", "--dry-run",
                              "--config", str(user), "--seq-len", "64", root=tmp_path / "checkpoints"))
-    spec = json.loads(result.stdout.split("launch command:")[0])["settings"]
+    spec = dry_run_spec(result.stdout)["settings"]
     cpu = target_values("cpu")
     assert spec["steps"] == 3 and spec["seq_len"] == 64
     assert spec["lr"] == cpu["lr"] and spec["nproc_per_node"] == cpu["nproc_per_node"]

@@ -16,6 +16,7 @@ import pytest
 from pipeline.errors import PipelineError
 from pipeline.run import store
 from tiny_checkpoint import ok, one_error_line, pipeline_cli
+from conftest import dry_run_spec
 
 pytest_plugins = ["tiny_checkpoint"]
 
@@ -100,11 +101,11 @@ def test_a_revision_not_in_the_cache_is_one_line_and_keeps_the_download(hub):
 def test_dry_run_resolves_the_source_from_the_cache(hub):
     root, env, snapshot, _ = hub
     result = ok(pipeline_cli("train", "--model", REPO_ID, "--path", "native", "--dry-run", root=root, env=env))
-    spec = json.loads(result.stdout.split("launch command:")[0])
+    spec = dry_run_spec(result.stdout)
     assert spec["source_dir"] == str(snapshot) and spec["model_key"] == "someorg--tiny"
     pinned = ok(pipeline_cli("train", "--model", REPO_ID, "--path", "native", "--dry-run", "--revision", COMMIT,
                              root=root, env=env))
-    assert json.loads(pinned.stdout.split("launch command:")[0])["source_dir"] == str(snapshot)
+    assert dry_run_spec(pinned.stdout)["source_dir"] == str(snapshot)
 
 
 def test_revision_mismatch_is_one_line(hub):

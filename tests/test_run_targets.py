@@ -59,9 +59,10 @@ def test_container_run_passes_the_image_cache_path(monkeypatch, tmp_path):
 
 def test_slurm_nodes_share_one_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("PIPELINE_CHECKPOINTS", str(tmp_path))
-    args = argparse.Namespace(scheduler="slurm", nodes=2, model="Qwen/Qwen3-0.6B", path="native", steps=None, seq_len=None,
-                              image=None, runtime="pyxis", venv=None, cluster_checkpoints="/fsx/checkpoints",
-                              compile_cache=None, namespace="default", pvc="fsx-claim", output=tmp_path / "out")
+    parser = argparse.ArgumentParser()
+    launch.add_arguments(parser)  # every flag at its default, as a user's command line would give them
+    args = parser.parse_args(["--scheduler", "slurm", "--nodes", "2", "--model", "Qwen/Qwen3-0.6B",
+                              "--cluster-checkpoints", "/fsx/checkpoints", "--output", str(tmp_path / "out")])
     script = launch.render_slurm(launch.plan(args))["train.sbatch"]
     assert f"export {NEW}=/fsx/checkpoints/.neuron-compile-cache" in script
     assert f'mkdir -p "${NEW}"' in script and OLD not in script

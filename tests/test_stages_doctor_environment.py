@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
-import threading
 from dataclasses import asdict
 from importlib import metadata
 from pathlib import Path
@@ -144,27 +142,6 @@ def test_image_with_another_torchtitan_fails(tmp_path, monkeypatch):
     monkeypatch.setattr(compat, "internals_for", lambda target: compat.TORCHTITAN_INTERNALS + (gone,))
     rows = {r.name: r for r in doctor.inside_image_rows("trn2", record=record, lock=lock)}
     assert rows["torchtitan internals"].status == "FAIL" and "_no_such_builder" in rows["torchtitan internals"].found
-
-
-def test_docker_check_before_setup_uses_the_socket(tmp_path, monkeypatch):
-    """Before `make setup` there is no Docker SDK: the engine's /_ping over its socket answers instead."""
-    path = str(tmp_path / "d.sock")
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(path)
-    server.listen(1)
-
-    def serve():
-        conn, _ = server.accept()
-        conn.recv(4096)
-        conn.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nOK")
-        conn.close()
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    assert doctor._ping_socket(path)
-    thread.join(5)
-    server.close()
-    assert not doctor._ping_socket(str(tmp_path / "none.sock"))
 
 
 def test_make_doctor_passes_in_container(monkeypatch):

@@ -7,7 +7,7 @@ import pytest
 
 from pipeline.checkpoint.reference_loss import hf_step1_loss
 from pipeline.run.rundir import RunDir
-from conftest import read_metrics, run_dir, run_pipeline, source_dir
+from conftest import read_metrics, run_dir, run_pipeline, source_dir, dry_run_spec
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def test_trn2_dry_run_prints_the_64_rank_command(tmp_path):
     result = run_pipeline("train", "--model", "Qwen/Qwen3-4B-Instruct-2507", "--path", "native", "--target", "trn2",
                           "--dry-run", root=tmp_path)
     assert "--nproc-per-node=64" in result.stdout and "NEURON_LOGICAL_NC_CONFIG=2" in result.stdout
-    spec = json.loads(result.stdout.split("launch command:")[0])
+    spec = dry_run_spec(result.stdout)
     settings = spec["settings"]
     assert settings["tensor_parallel"] == 4 and settings["data_parallel_shard"] == -1 and settings["sequence_parallel"]
     assert spec["arch"]["rope_theta"] == 5e6 and spec["arch"]["head_dim"] == 128

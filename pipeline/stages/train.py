@@ -92,8 +92,8 @@ def run(args: argparse.Namespace):
     command = torchrun.command(spec)
     env_prefix = " ".join(f"{k}={v}" for k, v in target.launch_vars(dict(os.environ)).items())
     if args.dry_run:
-        print(json.dumps(spec.to_dict(), indent=2))
         print(memory_line(spec))
+        print(json.dumps(spec.to_dict(), indent=2))
         print("launch command:")
         print(" ".join(part for part in (env_prefix, shlex.join(command)) if part))
         return spec

@@ -70,9 +70,9 @@ def resolve(request: RunRequest) -> RunSpec:
     )
     check_parallelism(spec)
     check_device_choices(spec)
-    spec.memory = memory.check(spec.arch, spec.settings, spec.path, spec.target).to_dict()
     if path.prepare is not None:
-        path.prepare(spec)
+        path.prepare(spec)  # the path's own rules (kernel constraints) first: they name the exact fix
+    spec.memory = memory.check(spec.arch, spec.settings, spec.path, spec.target).to_dict()
     if spec.titan_args:
         check_titan_args(spec)
     return spec
