@@ -1,7 +1,6 @@
 """The nki path's start-up plan (pipeline.models.nki.prepare), as a user meets it in dry runs: which
 overrides attach to which model, which are skipped and why, and the constraint policy per override."""
 
-import json
 
 from conftest import dry_run_spec, run_pipeline
 

@@ -3,7 +3,6 @@ the user does not set keeps the target's value, never the dataclass default), th
 
 from __future__ import annotations
 
-import json
 import tomllib
 from dataclasses import fields
 from pathlib import Path

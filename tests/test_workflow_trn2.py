@@ -4,8 +4,6 @@ plan, gated against fork pull requests on the self-hosted runner (issue 12, find
 from __future__ import annotations
 
 import json
-import os
-import re
 import subprocess
 import tomllib
 from pathlib import Path
