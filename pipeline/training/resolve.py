@@ -72,7 +72,7 @@ def resolve(request: RunRequest) -> RunSpec:
     check_device_choices(spec)
     spec.memory = memory.check(spec.arch, spec.settings, spec.path, spec.target).to_dict()
     if path.prepare is not None:
-        path.prepare(spec)
+        path.prepare(spec, request.dry_run)
     if spec.titan_args:
         check_titan_args(spec)
     return spec
