@@ -7,6 +7,7 @@ re-faults its logits) only for runs needing at most a quarter of the machine (is
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import subprocess
 

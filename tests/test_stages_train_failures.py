@@ -11,7 +11,7 @@ import pytest
 
 from pipeline.run.rundir import RunDir
 from pipeline.stages import train
-from tests.conftest import REPO
+from conftest import REPO
 
 PROBE = textwrap.dedent("""
     import json, runpy, sys
