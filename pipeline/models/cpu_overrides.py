@@ -27,7 +27,7 @@ from pipeline.models.reference import experts_reference
 
 def dense_mask(block_mask, batch: int, length: int, device) -> torch.Tensor:
     """[B, 1, L, L] bool of a BlockMask's mask_mod, made once per BlockMask (kept on it)."""
-    cached = getattr(block_mask, "_pipeline_dense_mask", None)
+    cached = getattr(block_mask, "pipeline_dense_mask", None)  # an attribute of ours on that BlockMask
     if cached is not None and cached.shape == (batch, 1, length, length):
         return cached
     idx = lambda *shape: torch.arange(max(shape), device=device).view(shape)  # noqa: E731
@@ -39,7 +39,7 @@ def dense_mask(block_mask, batch: int, length: int, device) -> torch.Tensor:
         mask = None
     if mask is None:  # a mask_mod that does not broadcast: the general (vmap) way
         mask = create_mask(block_mask.mask_mod, batch, None, length, length, device=device)
-    block_mask._pipeline_dense_mask = mask
+    block_mask.pipeline_dense_mask = mask
     return mask
 
 

@@ -221,7 +221,10 @@ def _failure(code: int, stderr_lines: list[str], run: RunDir, oom_kills: int) ->
         return f"training exited with status {code}{which}; logs are in {run.logs}.", \
             "read the first error in the rank logs above."
     rank, signum = cause[0], -cause[1]
-    name = signal.Signals(signum).name if signum in signal.Signals._value2member_map_ else f"signal {signum}"
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
     if signum != signal.SIGKILL:
         return f"rank {rank} was killed by {name}; logs are in {run.logs}.", "read the rank's log above for what it was doing."
     peak = _last_memory(run)
