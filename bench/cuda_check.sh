@@ -1,11 +1,18 @@
 #!/usr/bin/env bash
-# The GPU check of issue #8, prepared for a session that has an NVIDIA GPU (NOT run so far: the
-# session that wrote it had none). On a randomly initialised Qwen3-0.6B-shaped checkpoint made
-# here from configs/hub_configs/Qwen3-0.6B.json (no download), bf16, torch.compile, ~30 steps:
-#   1. `python -m pipeline train --target cuda --path native` (configs/cuda.toml);
-#   2. bare torchtitan (`torchtitan.train`, its own qwen3_0_6b config) on the same data and shapes;
-#   3. tokens/s of both, and MFU against a bf16 matmul ceiling measured on this GPU.
-# Usage: bench/cuda_check.sh [STEPS] ; writes $OUT (default /tmp/cuda_check)/cuda.json.
+# The GPU check of issue 14, prepared for a session that has an NVIDIA GPU (NOT run so far: the
+# sessions that wrote it had none). One script, on one GPU:
+#   1. a Qwen3-0.6B-shaped checkpoint made here (bench/hub_shaped.py: configs/hub_configs/Qwen3-0.6B.json,
+#      random weights, bf16), imported as a local directory, trained with configs/cuda.toml (bf16,
+#      torch.compile) for STEPS steps: MFU (the pipeline's FLOP count, the same for every path) against
+#      the dense bf16 peak of pipeline/run/targets.py, goal ≥ 45 %; time to first step (timings.json);
+#      peak memory (memory.json: allocator's peak reserved) against the estimate of pipeline/training/memory.py
+#      (what `make train-* DRY_RUN=1` prints);
+#   2. bare torchtitan (`torchtitan.train`, its own qwen3_0_6b config) on the same data and shapes, as a
+#      reference for tokens/s;
+#   3. tiny's step-1 loss in bf16 on the GPU against the same run in fp32 on the CPU, within the bf16
+#      tolerance verify uses (pipeline/stages/verify.py LOGGED_LOSS_TOLERANCE).
+# Writes $OUT/cuda.json and puts it under the "cuda" key of bench/results.json.
+# Usage: bench/cuda_check.sh [STEPS]   (OUT defaults to /tmp/cuda_check)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -15,64 +22,77 @@ export PIPELINE_CHECKPOINTS=$OUT/ckpt
 mkdir -p "$OUT" "$PIPELINE_CHECKPOINTS"
 nvidia-smi -L || { echo "error: no NVIDIA GPU visible. Fix: run this on a GPU machine." >&2; exit 2; }
 
-# 1. A random Qwen3-0.6B-shaped HF checkpoint, with the Qwen tokenizer of the embedded tiny model.
+# 1. The Hub-shaped checkpoint (tokenizer from the embedded tiny model) and the pipeline's run.
 $PY -m pipeline download --model tiny
-$PY - "$OUT/Qwen3-0.6B" <<'PYEOF'
-import json, shutil, sys
-from pathlib import Path
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM
-out = Path(sys.argv[1])
-if not (out / "config.json").exists():
-    cfg = AutoConfig.for_model(**json.loads(Path("configs/hub_configs/Qwen3-0.6B.json").read_text()))
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(out)
-    tiny = Path(__import__("os").environ["PIPELINE_CHECKPOINTS"]) / "tiny" / "hf"
-    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "generation_config.json"):
-        if (tiny / name).exists():
-            shutil.copy(tiny / name, out / name)
-PYEOF
-$PY -m pipeline download --model "$OUT/Qwen3-0.6B"
-$PY -m pipeline data --model Qwen3-0.6B
+$PY bench/hub_shaped.py "$OUT/Qwen3-0.6B" Qwen3-0.6B "$PIPELINE_CHECKPOINTS/tiny/source"
+MODEL="$OUT/Qwen3-0.6B"
+$PY -m pipeline download --model "$MODEL"
+$PY -m pipeline data --model "$MODEL"
+$PY -m pipeline train --model "$MODEL" --path native --target cuda --dry-run > "$OUT/dry_run.txt"
+$PY -m pipeline train --model "$MODEL" --path native --target cuda --steps "$STEPS" --fresh
+RUN=$($PY -c "import sys; from pipeline.run import store; print(store.home(sys.argv[1]).run('native').path)" "$MODEL")
 
-# 2. The pipeline's run.
-$PY -m pipeline train --model Qwen3-0.6B --path native --target cuda --steps "$STEPS" --fresh
-
-# 3. Bare torchtitan, same checkpoint, data, shapes, dtype and compile; its own trainer and config.
-RUN=$PIPELINE_CHECKPOINTS/Qwen3-0.6B/native/run.json
-$PY - "$RUN" "$STEPS" "$OUT/bare" <<'PYEOF' > "$OUT/bare_args"
+# 2. Bare torchtitan, same checkpoint, data, shapes, dtype and compile; its own trainer and config.
+$PY - "$RUN/run.json" "$STEPS" "$OUT/bare" <<'PYEOF' > "$OUT/bare_args"
 import json, sys
 spec = json.load(open(sys.argv[1]))
+s = spec["settings"]
 print(" ".join([
-    "--module", "torchtitan.models.qwen3", "--config", "qwen3_0_6b", "--hf_assets_path", spec["hf_dir"],
-    "--dump_folder", sys.argv[3], "--training.steps", sys.argv[2], "--training.seq_len", str(spec["seq_len"]),
-    "--training.local_batch_size", str(spec["local_batch_size"]), "--training.mixed_precision_param", "bfloat16",
+    "--module", "torchtitan.models.qwen3", "--config", "qwen3_0_6b", "--hf_assets_path", spec["source_dir"],
+    "--dump_folder", sys.argv[3], "--training.steps", sys.argv[2], "--training.seq_len", str(s["seq_len"]),
+    "--training.local_batch_size", str(s["local_batch_size"]), "--training.mixed_precision_param", s["dtype"],
     "--compile.enable", "--checkpoint.no-enable", "--metrics.log_freq", "1"]))
 PYEOF
-DATA=$PIPELINE_CHECKPOINTS/Qwen3-0.6B/data/train.jsonl
+DATA=$($PY -c "import sys; from pipeline.run import store; print(store.home(sys.argv[1]).data_file)" "$MODEL")
 # torchtitan.train cannot register a local dataset from its CLI: register ours as "c4", then run its main.
 $PY -m torch.distributed.run --standalone --nnodes=1 --nproc-per-node=1 --tee=3 --log-dir="$OUT/bare/logs" \
-  -c "import sys; from pipeline.titan_entry import _register_local_dataset as r; from torchtitan.hf_datasets.text_datasets import DATASETS; r('$DATA'); DATASETS['c4'] = DATASETS.pop('pipeline_local'); from torchtitan.train import main; sys.argv[1:] = open('$OUT/bare_args').read().split(); main()" \
+  -c "import sys; from pipeline.training.entry import _register_local_dataset as r; from torchtitan.hf_datasets.text_datasets import DATASETS; r('$DATA'); DATASETS['c4'] = DATASETS.pop('pipeline_local'); from torchtitan.train import main; sys.argv[1:] = open('$OUT/bare_args').read().split(); main()" \
   2>&1 | tee "$OUT/bare.log" || echo "bare torchtitan run failed: see $OUT/bare.log" >&2
 
-# 4. Ceiling and summary.
-$PY - "$PIPELINE_CHECKPOINTS/Qwen3-0.6B/native/metrics.jsonl" "$OUT/bare.log" "$OUT/cuda.json" <<'PYEOF'
-import json, re, statistics, sys, time
+# 3. tiny: step 1 in bf16 on the GPU and in fp32 on the CPU (same data, same first batch).
+$PY -m pipeline data --model tiny
+TINY=$($PY -c "from pipeline.run import store; print(store.home('tiny').run('native').path)")
+$PY -m pipeline train --model tiny --path native --target cuda --steps 1 --fresh
+cp "$TINY/metrics.jsonl" "$OUT/tiny_cuda_metrics.jsonl"
+$PY -m pipeline train --model tiny --path native --target cpu --steps 1 --fresh
+cp "$TINY/metrics.jsonl" "$OUT/tiny_cpu_metrics.jsonl"
+
+# 4. Summary.
+$PY - "$RUN" "$OUT" <<'PYEOF'
+import json, re, statistics, sys
+from pathlib import Path
+from pipeline.stages.verify import LOGGED_LOSS_TOLERANCE
+run, out = Path(sys.argv[1]), Path(sys.argv[2])
+rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if l.strip()]
+steady = rows[3:] or rows
+timings = json.loads((run / "timings.json").read_text())
+memory = json.loads((run / "memory.json").read_text())
+bare = [float(x.replace(",", "")) for x in re.findall(r"tps: ([\d,]+)", (out / "bare.log").read_text())][3:]
+first = lambda p: json.loads(p.read_text().splitlines()[0])["loss"]
+gpu_loss, cpu_loss = first(out / "tiny_cuda_metrics.jsonl"), first(out / "tiny_cpu_metrics.jsonl")
+tps = statistics.median(r["tokens_per_s"] for r in steady)
+result = {
+    "gpu": None,
+    "mfu_pct": statistics.median(r["mfu"] for r in steady), "target_mfu_pct": 45,
+    "peak_flops_per_rank": steady[0]["peak_flops_per_rank"],
+    "tokens_per_s": tps, "bare_torchtitan_tokens_per_s": statistics.median(bare) if bare else None,
+    "pipeline_over_bare": tps / statistics.median(bare) if bare else None,
+    "first_step_s": rows[0]["step_time_s"],
+    "launch_to_step1_s": timings["step1"] - timings.get("launched", timings["entry"]),
+    "peak_memory_gib": memory["peak_gib_per_rank"], "estimate_gib": memory["estimate_gib_per_rank"],
+    "peak_over_estimate": memory["peak_over_estimate"],
+    "tiny_step1_loss": {"cuda_bf16": gpu_loss, "cpu_fp32": cpu_loss, "abs_diff": abs(gpu_loss - cpu_loss),
+                        "tolerance": LOGGED_LOSS_TOLERANCE["bfloat16"],
+                        "within": abs(gpu_loss - cpu_loss) <= LOGGED_LOSS_TOLERANCE["bfloat16"]},
+    "steps": len(rows), "steps_excluded": 3,
+}
 import torch
-a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16); b = torch.randn_like(a)
-for _ in range(3): a @ b
-rates = []
-for _ in range(10):
-    torch.cuda.synchronize(); t = time.perf_counter(); [a @ b for _ in range(10)]; torch.cuda.synchronize()
-    rates.append(10 * 2 * 8192**3 / (time.perf_counter() - t))
-ceiling = max(rates)
-rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()][3:]
-tps = statistics.median(r["tokens_per_s"] for r in rows)
-mfu = statistics.median(r["mfu"] * r["peak_flops_per_rank"] / ceiling for r in rows)
-bare = [float(x.replace(",", "")) for x in re.findall(r"tps: ([\d,]+)", open(sys.argv[2]).read())][3:]
-result = {"gpu": torch.cuda.get_device_name(0), "bf16_matmul_ceiling_tflops": ceiling / 1e12,
-          "pipeline_tokens_per_s": tps, "pipeline_mfu_vs_ceiling_pct": mfu,
-          "bare_torchtitan_tokens_per_s": statistics.median(bare) if bare else None,
-          "pipeline_over_bare": tps / statistics.median(bare) if bare else None, "steps_excluded": 3}
-json.dump(result, open(sys.argv[3], "w"), indent=2); print(json.dumps(result, indent=2))
+result["gpu"] = torch.cuda.get_device_name(0)
+(out / "cuda.json").write_text(json.dumps(result, indent=2) + "\n")
+results = Path("bench/results.json")
+data = json.loads(results.read_text()) if results.exists() else {}
+data["cuda"] = result
+data.setdefault("measured_at", {})["cuda"] = __import__("time").strftime("%Y-%m-%dT%H:%M:%S")
+results.write_text(json.dumps(data, indent=2) + "\n")
+print(json.dumps(result, indent=2))
 PYEOF

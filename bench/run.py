@@ -1,13 +1,22 @@
-"""`make bench`: the pipeline's costs measured side by side in one run on this machine.
+"""`make bench`: the pipeline's costs, each ratio measured side by side in one run on this machine.
 
-Sections (BENCH_ONLY=a,b picks some; BENCH_REPEATS=n, n ≥ 2, repeats each measurement):
-  overhead  steady-state step time of train-native (1 rank) vs a bare PyTorch loop, same model/batch/dtype/threads
-  ttfs      time from `make train-<path>` to step 1, split into launch, imports, build, weight load, step
+Sections (BENCH_ONLY=a,b picks some; BENCH_REPEATS=n, n ≥ 2, repeats each measurement; the two
+sides of a ratio alternate within each repeat):
+  overhead  steady-state step of train-native (1 rank) vs a bare PyTorch loop doing the same
+            computation (bench/bare_loop.py: same weights, batch, mask, loss, optimizer, dtype,
+            threads; its step-1 loss must equal the pipeline's and its threads the rank's)
+  ttfs      `make train-<path>` to step 1, split by the start-up marks (timings.json)
   scaling   1 vs 2 ranks, eager and torch.compile: first step and steady state
-  export    export vs cp of the same bytes; verify vs a plain from_pretrained
+  export    tiny: export vs cp of the same bytes and verify vs from_pretrained + one forward,
+            both sides in-process (bench/inproc.py)
+  size      a Hub-shaped Qwen3-0.6B made locally (bench/hub_shaped.py, ≥ 1 GiB): trained at the CPU
+            target's defaults (peak memory per rank vs the stated estimate, the weights copy vs DCP),
+            exported (throughput vs cp, peak RSS vs the largest tensor), verified (vs
+            from_pretrained + one forward; first and repeated verify)
   pipeline  `make pipeline` (the README command) on the embedded defaults, wall time
 Every stage run is a child process; its max RSS (largest process of its tree) comes from wait4.
-Prints a table and writes bench/results.json. Outputs go under PIPELINE_CHECKPOINTS (default a temp dir).
+Prints a table and writes bench/results.json; sections not run keep their earlier figures, dated.
+Outputs go under PIPELINE_CHECKPOINTS (default a temp dir).
 """
 
 from __future__ import annotations
@@ -23,21 +32,29 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
 PY = sys.executable
-SECTIONS = ("overhead", "ttfs", "scaling", "export", "pipeline")
+SECTIONS = ("overhead", "ttfs", "scaling", "export", "size", "pipeline")
 STEPS = 12
+SIZE_MODEL = "Qwen3-0.6B"  # configs/hub_configs/<name>.json
+GIB = 2**30
+SCHEMA = 2  # issue 14's bench; results.json files of an older schema are replaced, not merged
 
 
-def run(cmd: list[str], env: dict, cwd: Path = REPO) -> dict:
+def run(cmd: list[str], env: dict, cwd: Path = REPO, check: bool = True) -> dict:
     """Run a child; wall time and max RSS of its process tree (ru_maxrss covers waited descendants)."""
     start = time.time()
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
-        raise SystemExit(f"bench: {' '.join(cmd)} failed ({proc.returncode}):\n{out[-3000:]}")
-    return {"start": start, "wall_s": time.time() - start, "max_rss_mib": usage.ru_maxrss / 1024, "out": out}
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0 and check:
+        raise SystemExit(f"bench: {' '.join(cmd)} failed ({code}):\n{out[-3000:]}")
+    return {"start": start, "wall_s": time.time() - start, "max_rss_mib": usage.ru_maxrss / 1024, "out": out, "code": code}
+
+
+def last_json(out: str) -> dict:
+    return json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
 
 
 def summary(values: list[float]) -> dict:
@@ -45,33 +62,35 @@ def summary(values: list[float]) -> dict:
             "spread": max(values) - min(values), "n": len(values), "samples": values}
 
 
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
-def steady(run_dir: Path, interval: int = 5) -> float:
-    # Step 1 pays start-up; a step after a checkpoint save pays the save (logged with the next step).
-    times = [m["step_time_s"] for m in metrics(run_dir) if m["step"] > 2 and (m["step"] - 1) % interval]
-    return statistics.median(times)
+def mem_available_gib() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 2**20
+    return 0.0
 
 
 class Bench:
     def __init__(self, root: Path, repeats: int):
         self.root = root
         self.repeats = repeats
-        self.env = {**os.environ, "PIPELINE_CHECKPOINTS": str(root), "MALLOC_MMAP_THRESHOLD_": "4294967296",
-                    "MALLOC_TRIM_THRESHOLD_": "4294967296"}
+        self.env = {**os.environ, "PIPELINE_CHECKPOINTS": str(root)}
         self.memory: dict[str, list[float]] = {}
         self.results: dict = {}
 
-    def pipe(self, stage: str, *args: str, label: str | None = None) -> dict:
-        result = run([PY, "-m", "pipeline", stage, *args], self.env)
-        self.memory.setdefault(label or stage, []).append(result["max_rss_mib"])
+    def home(self, model: str):
+        from pipeline.run import store
+
+        return store.home(model, self.root)
+
+    def pipe(self, stage: str, *args: str, label: str | None = None, check: bool = True) -> dict:
+        result = run([PY, "-m", "pipeline", stage, *args], self.env, check=check)
+        if result["code"] == 0:
+            self.memory.setdefault(label or stage, []).append(result["max_rss_mib"])
         return result
 
-    def train(self, *args: str, label: str) -> Path:
-        self.pipe("train", "--model", "tiny", "--fresh", *args, label=label)
-        return self.root / "tiny" / args[args.index("--path") + 1]
+    def train(self, *args: str, label: str, model: str = "tiny") -> Path:
+        self.pipe("train", "--model", model, "--fresh", *args, label=label)
+        return self.home(model).run(args[args.index("--path") + 1]).path
 
     def config(self, **changes) -> str:
         text = (REPO / "configs" / "cpu.toml").read_text()
@@ -81,45 +100,63 @@ class Bench:
         path.write_text(text + "\n")
         return str(path)
 
-    def prepare(self) -> None:
-        if not (self.root / "tiny" / "hf" / "config.json").exists():
-            self.pipe("download", "--model", "tiny")
-        if not (self.root / "tiny" / "data" / "train.jsonl").exists():
-            self.pipe("data", "--model", "tiny")
+    def prepare(self, model: str = "tiny") -> None:
+        home = self.home(model)
+        if not home.is_downloaded():
+            self.pipe("download", "--model", model)
+        if not home.data_file.exists():
+            self.pipe("data", "--model", model)
+
+    # ---- overhead ----------------------------------------------------------------------------
 
     def overhead(self) -> None:
-        pipeline, bare = [], []
+        pipeline, bare, losses, threads = [], [], [], []
         for _ in range(self.repeats):
-            run_dir = self.train("--path", "native", "--steps", str(STEPS), "--nproc-per-node", "1", label="train native 1 rank")
-            pipeline.append(steady(run_dir))
-            out = run([PY, str(REPO / "bench" / "bare_loop.py"), str(self.root / "tiny" / "hf"),
-                       str(run_dir / "first_batch" / "rank0.safetensors"), str(STEPS)], self.env)
+            run_dir = self.train("--path", "native", "--steps", str(STEPS), "--nproc-per-node", "1",
+                                 label="train native 1 rank")
+            spec = json.loads((run_dir / "run.json").read_text())
+            pipeline.append(steady(run_dir, spec["settings"]["checkpoint_interval"]))
+            # The bare loop gets the environment the pipeline gave its rank (glibc's thresholds).
+            out = run([PY, str(REPO / "bench" / "bare_loop.py"), str(run_dir / "run.json"),
+                       str(run_dir / "first_batch" / "rank0.safetensors"), str(STEPS)],
+                      {**self.env, **launch_env(run_dir / "run.json")})
             self.memory.setdefault("bare PyTorch loop", []).append(out["max_rss_mib"])
-            bare.append(json.loads(out["out"].strip().splitlines()[-1])["steady_step_s"])
+            result = last_json(out["out"])
+            bare.append(result["steady_step_s"])
+            logged = metrics(run_dir)[0]["loss"]
+            losses.append(abs(result["step1_loss"] - logged))
+            threads.append((json.loads((run_dir / "timings.json").read_text()).get("threads"), result["threads"]))
+        # The bare loop is only a baseline if it computes the same thing with the same threads.
+        if max(losses) > 1e-5 or any(a != b for a, b in threads):
+            raise SystemExit(f"bench: bare loop is not the pipeline's computation: step-1 |Δloss| {losses}, threads {threads}")
         ratios = [p / b for p, b in zip(pipeline, bare)]
         self.results["overhead"] = {"pipeline_step_s": summary(pipeline), "bare_step_s": summary(bare),
-                                    "ratio": summary(ratios), "target_ratio": 1.10}
+                                    "ratio": summary(ratios), "target_ratio": 1.05,
+                                    "step1_loss_abs_diff": max(losses), "threads": threads[0][0]}
+
+    # ---- time to first step ------------------------------------------------------------------
 
     def ttfs(self) -> None:
-        out = {}
-        for path in ("native", "hf", "nki"):
-            splits: dict[str, list[float]] = {}
-            for _ in range(self.repeats):
+        splits: dict[str, dict[str, list[float]]] = {}
+        for _ in range(self.repeats):
+            for path in ("native", "hf", "nki"):
                 started = time.time()
-                result = run(["make", "--no-print-directory", f"train-{path}", "MODEL=tiny", "FRESH=1", "STEPS=1",
-                              f"PY={PY}"], self.env)
+                result = run(["make", "--no-print-directory", f"train-{path}", "MODEL=tiny", "FRESH=1", "STEPS=1"], self.env)
                 self.memory.setdefault(f"train {path} 2 ranks", []).append(result["max_rss_mib"])
-                marks = json.loads((self.root / "tiny" / ("hf-run" if path == "hf" else path) / "timings.json").read_text())
-                parts = {"launch (make → rank entry)": marks["entry"] - started,
+                marks = json.loads((self.home("tiny").run(path).timings).read_text())
+                parts = {"make → launcher starts torchrun": marks["launched"] - started,
+                         "torchrun → rank entry": marks["entry"] - marks["launched"],
                          "imports": marks["imported"] - marks["entry"],
                          "config/model build": marks["built"] - marks["imported"],
                          "weight load": marks["loaded"] - marks["built"],
                          "step 1 (incl. data start)": marks["step1"] - marks["loaded"],
                          "total": marks["step1"] - started}
                 for key, value in parts.items():
-                    splits.setdefault(key, []).append(value)
-            out[path] = {k: summary(v) for k, v in splits.items()}
-        self.results["ttfs"] = out
+                    splits.setdefault(path, {}).setdefault(key, []).append(value)
+        self.results["ttfs"] = {path: {k: summary(v) for k, v in parts.items()} for path, parts in splits.items()}
+        self.results["ttfs_target_s"] = 8.0
+
+    # ---- scaling -----------------------------------------------------------------------------
 
     def scaling(self) -> None:
         out = {}
@@ -136,36 +173,133 @@ class Bench:
                     "first_step_s": summary(first), "steady_step_s": summary(steady_s)}
         self.results["scaling"] = out
 
-    def export(self) -> None:
-        run_dir = self.root / "tiny" / "native"
-        if not (run_dir / "run.json").exists():
-            self.train("--path", "native", "--steps", "5", label="train native 2 ranks")
-        export_s, cp_s, verify_s, plain_s = [], [], [], []
+    # ---- export / verify ---------------------------------------------------------------------
+
+    def export_and_verify(self, model: str, dtype: str, label: str, max_shard_size: str = "5GB") -> dict:
+        """Export vs cp, and verify (first: the source's loss computed; then repeated) vs
+        from_pretrained + one forward, alternating within each repeat, all in-process."""
+        run_dir = self.home(model).run("native")
+        inproc = str(REPO / "bench" / "inproc.py")
+        exports, verifies, again, plains = [], [], [], []
         for _ in range(self.repeats):
-            export_s.append(self.pipe("export", "--model", "tiny", "--run", "native", "--force", "--dtype", "fp32")["wall_s"])
-            files = sorted((run_dir / "export").glob("*.safetensors"))
-            with tempfile.TemporaryDirectory(dir=self.root) as tmp:
-                cp_s.append(run(["cp", *map(str, files), tmp], self.env)["wall_s"])
-            verify_s.append(self.pipe("verify", "--model", "tiny", "--run", "native")["wall_s"])
-            plain = run([PY, "-c", "import sys; from transformers import AutoModelForCausalLM; "
-                         "AutoModelForCausalLM.from_pretrained(sys.argv[1])", str(run_dir / "export")], self.env)
-            self.memory.setdefault("plain from_pretrained", []).append(plain["max_rss_mib"])
-            plain_s.append(plain["wall_s"])
-        size = sum(p.stat().st_size for p in (run_dir / "export").glob("*.safetensors"))
-        self.results["export"] = {"bytes": size, "export_s": summary(export_s), "cp_s": summary(cp_s),
-                                  "export_over_cp": summary([e / c for e, c in zip(export_s, cp_s)]),
-                                  "export_MiB_per_s": summary([size / 2**20 / e for e in export_s]),
-                                  "verify_s": summary(verify_s), "from_pretrained_s": summary(plain_s),
-                                  "verify_over_from_pretrained": summary([v / p for v, p in zip(verify_s, plain_s)])}
+            out = run([PY, inproc, "export", model, "native", dtype, max_shard_size], self.env)
+            exports.append(last_json(out["out"]))
+            run_dir.path.joinpath("reference_loss.json").unlink(missing_ok=True)
+            plains.append(last_json(run([PY, inproc, "plain", str(run_dir.export), str(run_dir.path)], self.env)["out"]))
+            verifies.append(last_json(run([PY, inproc, "verify", model, "native"], self.env)["out"]))
+            again.append(last_json(run([PY, inproc, "verify", model, "native"], self.env)["out"]))
+        if not all(v["passed"] for v in verifies + again) or any(v["source_loss_cached"] for v in verifies) \
+                or not all(v["source_loss_cached"] for v in again):
+            raise SystemExit(f"bench: {label} verify did not run as measured: {verifies + again}")
+        size = exports[0]["bytes"]
+        peak = [e["rss_peak_gib"] - e["rss_before_gib"] for e in exports]
+        return {
+            "bytes": size, "dtype": dtype, "shards": exports[0]["shards"],
+            "export_s": summary([e["export_s"] for e in exports]), "cp_s": summary([e["cp_s"] for e in exports]),
+            "export_throughput_over_cp": summary([e["cp_s"] / e["export_s"] for e in exports]),
+            "target_throughput_over_cp": 0.5,
+            "export_MiB_per_s": summary([size / 2**20 / e["export_s"] for e in exports]),
+            "export_peak_rss_above_imports_gib": summary(peak),
+            "largest_tensor_gib": exports[0]["largest_tensor_bytes"] / GIB,
+            "export_peak_over_largest_tensor": summary([p * GIB / exports[0]["largest_tensor_bytes"] for p in peak]),
+            "from_pretrained_plus_forward_s": summary([p["plain_s"] for p in plains]),
+            "verify_first_s": summary([v["verify_s"] for v in verifies]),
+            "verify_repeat_s": summary([v["verify_s"] for v in again]),
+            "verify_first_over_plain": summary([v["verify_s"] / p["plain_s"] for v, p in zip(verifies, plains)]),
+            "verify_repeat_over_plain": summary([v["verify_s"] / p["plain_s"] for v, p in zip(again, plains)]),
+            "target_verify_over_plain": 1.15,
+            "verify_peak_rss_gib": summary([v["rss_peak_gib"] for v in verifies]),
+            "plain_peak_rss_gib": summary([p["rss_peak_gib"] for p in plains]),
+        }
+
+    def export(self) -> None:
+        run_dir = self.home("tiny").run("native")
+        if not run_dir.exists() or run_dir.latest_exportable_step() is None:
+            self.train("--path", "native", "--steps", "5", label="train native 2 ranks")
+        self.results["export"] = self.export_and_verify("tiny", "float32", "tiny")
+
+    # ---- at a size that matters ----------------------------------------------------------------
+
+    def size(self) -> None:
+        sys.path.insert(0, str(REPO / "bench"))
+        import hub_shaped
+
+        from pipeline.stages.train import host_need
+        from pipeline.training.resolve import RunRequest, resolve
+
+        self.prepare("tiny")
+        source = hub_shaped.make(self.root / "hub" / SIZE_MODEL, SIZE_MODEL, self.home("tiny").source_dir())
+        model = str(source)
+        self.prepare(model)
+        out = {"model": SIZE_MODEL, "source_bytes": sum(p.stat().st_size for p in source.glob("*.safetensors"))}
+        # Two runs, as memory allows (other users of this machine hold some): the CPU defaults (2
+        # ranks), then, if that could not run, one rank, so export and verify have a checkpoint.
+        for label, nproc in (("train_defaults", None), ("train_one_rank", 1)):
+            spec = resolve(RunRequest(model=model, path="native", steps=2, nproc_per_node=nproc,
+                                      checkpoints_root=self.root))
+            need = host_need(spec) / GIB * 1.3  # measured peaks run ~1.3x the estimate (bench results)
+            available = mem_available_gib()
+            if available < need:
+                out[label] = {"skipped": f"{available:.1f} GiB available, {need:.1f} GiB wanted (1.3 × estimate)"}
+                continue
+            flags = ["--nproc-per-node", str(nproc)] if nproc else []
+            result = self.pipe("train", "--model", model, "--path", "native", "--steps", "2", "--fresh", *flags,
+                               label=f"train native {SIZE_MODEL} {spec.settings.nproc_per_node} rank(s)", check=False)
+            run_dir = self.home(model).run("native")
+            if result["code"] != 0:
+                out[label] = {"failed": result["out"].strip().splitlines()[-1][:500]}
+                continue
+            record = json.loads(run_dir.memory.read_text())
+            saves = [json.loads(line) for line in run_dir.saves.read_text().splitlines() if line.strip()]
+            last = saves[-1]
+            out[label] = {
+                "settings": {k: getattr(spec.settings, k) for k in ("nproc_per_node", "seq_len", "local_batch_size", "dtype")},
+                "peak_gib_per_rank": record["peak_gib_per_rank"], "estimate_gib_per_rank": record["estimate_gib_per_rank"],
+                "peak_over_estimate": record["peak_over_estimate"], "target_peak_over_estimate": 2.0,
+                "step_s": [m["step_time_s"] for m in metrics(run_dir.path)],
+                "checkpoint": {"saves": saves, "target_over_dcp": 1.2,
+                               "last_save_time_over_dcp": (last["dcp_s"] + (last["weights_s"] or 0)) / last["dcp_s"],
+                               "last_save_disk_over_dcp": (last["dcp_bytes"] + last["weights_bytes"]) / last["dcp_bytes"]},
+            }
+            break
+        if self.home(model).run("native").latest_exportable_step() is not None:
+            out.update(self.export_and_verify(model, "bfloat16", SIZE_MODEL))
+        self.results["size"] = out
+
+    # ---- make pipeline -----------------------------------------------------------------------
 
     def pipeline(self) -> None:
         walls = []
         for _ in range(self.repeats):
             with tempfile.TemporaryDirectory(dir=self.root) as tmp:
-                result = run(["make", "--no-print-directory", "pipeline", f"PY={PY}"], {**self.env, "PIPELINE_CHECKPOINTS": tmp})
+                result = run(["make", "--no-print-directory", "pipeline"], {**self.env, "PIPELINE_CHECKPOINTS": tmp})
             self.memory.setdefault("make pipeline", []).append(result["max_rss_mib"])
             walls.append(result["wall_s"])
-        self.results["pipeline"] = {"wall_s": summary(walls)}
+        self.results["pipeline"] = {"wall_s": summary(walls), "target_s": 300}
+
+
+def launch_env(run_json: Path) -> dict:
+    """What the train stage put in the environment of this run's ranks."""
+    from pipeline.run import targets
+    from pipeline.run.spec import RunSpec
+    from pipeline.stages.train import host_need
+
+    spec = RunSpec.load(run_json)
+    return targets.TARGETS[spec.target].launch_vars({}, host_need(spec))
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def steady(run_dir: Path, interval: int = 5) -> float:
+    # Step 1 pays start-up; a step after a checkpoint save pays the save (logged with the next step).
+    times = [m["step_time_s"] for m in metrics(run_dir) if m["step"] > 2 and (m["step"] - 1) % interval]
+    return statistics.median(times)
+
+
+def du(path: Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
 
 def fmt(s: dict, unit: str = "s") -> str:
@@ -180,22 +314,40 @@ def table(results: dict) -> str:
                   f"  pipeline step  {fmt(o['pipeline_step_s'])}", f"  bare loop step {fmt(o['bare_step_s'])}",
                   f"  ratio          {fmt(o['ratio'], '×')}  (target ≤ {o['target_ratio']})"]
     for path, parts in results.get("ttfs", {}).items():
-        lines += ["", f"time to first step, train-{path} (make → step 1):"] + [f"  {k:28s} {fmt(v)}" for k, v in parts.items()]
+        lines += ["", f"time to first step, train-{path} (make → step 1):"] + [f"  {k:34s} {fmt(v)}" for k, v in parts.items()]
     if "scaling" in results:
         lines += ["", "scaling (native):"] + [f"  {k:18s} first step {fmt(v['first_step_s'])}; steady {fmt(v['steady_step_s'])}"
                                               for k, v in results["scaling"].items()]
-    if "export" in results:
-        e = results["export"]
-        lines += ["", f"export ({e['bytes'] / 2**20:.1f} MiB fp32):", f"  export          {fmt(e['export_s'])}",
-                  f"  cp same bytes   {fmt(e['cp_s'])}", f"  export / cp     {fmt(e['export_over_cp'], '×')}",
-                  f"  verify          {fmt(e['verify_s'])}", f"  from_pretrained {fmt(e['from_pretrained_s'])}",
-                  f"  verify / f_p    {fmt(e['verify_over_from_pretrained'], '×')}"]
+    for name, e in (("export (tiny)", results.get("export")), ("size (Qwen3-0.6B-shaped)", results.get("size"))):
+        if not e:
+            continue
+        lines += ["", f"{name}:"]
+        for label in ("train_defaults", "train_one_rank"):
+            t = e.get(label)
+            if t is None:
+                continue
+            if "peak_gib_per_rank" not in t:
+                lines += [f"  {label}: {t}"]
+                continue
+            c = t["checkpoint"]
+            lines += [f"  {label} {t['settings']}: peak/rank {t['peak_gib_per_rank']} GiB, "
+                      f"{t['peak_over_estimate']:.2f}× the estimate ({t['estimate_gib_per_rank']['total']} GiB)",
+                      f"  last save / DCP: time {c['last_save_time_over_dcp']:.2f}×, disk {c['last_save_disk_over_dcp']:.2f}×"]
+        if "export_s" in e:
+            lines += [f"  export {e['bytes'] / 2**20:.0f} MiB {e['dtype']}: {fmt(e['export_s'])}; cp {fmt(e['cp_s'])}; "
+                      f"throughput/cp {fmt(e['export_throughput_over_cp'], '×')}",
+                      f"  export peak RSS above imports {fmt(e['export_peak_rss_above_imports_gib'], 'GiB')} "
+                      f"(largest tensor {e['largest_tensor_gib']:.2f} GiB)",
+                      f"  verify first {fmt(e['verify_first_s'])}, repeated {fmt(e['verify_repeat_s'])}; "
+                      f"from_pretrained + forward {fmt(e['from_pretrained_plus_forward_s'])}",
+                      f"  verify/plain first {fmt(e['verify_first_over_plain'], '×')}, repeated {fmt(e['verify_repeat_over_plain'], '×')}"]
     if "pipeline" in results:
         lines += ["", f"make pipeline (tiny + tiny-moe, every path): {fmt(results['pipeline']['wall_s'])}"]
     lines += ["", "peak memory (max RSS of the largest process of each stage):"]
-    lines += [f"  {k:28s} {v['median']:.0f} MiB (spread {v['spread']:.0f}, n={v['n']})" for k, v in results["memory_mib"].items()]
+    lines += [f"  {k:34s} {v['median']:.0f} MiB (spread {v['spread']:.0f}, n={v['n']})" for k, v in results["memory_mib"].items()]
     lines += ["", "sections measured at: " + ", ".join(f"{k} {v}" for k, v in results["measured_at"].items())]
-    lines += ["", "cuda: no GPU in this run; bench/cuda_check.sh is the prepared GPU check (not run here)."]
+    cuda = results.get("cuda")
+    lines += ["", f"cuda: {json.dumps(cuda) if cuda else 'no GPU in this run; bench/cuda_check.sh is the prepared GPU check (not run here).'}"]
     return "\n".join(lines)
 
 
@@ -223,17 +375,19 @@ def main() -> int:
     # Sections not run this time keep their earlier figures, each dated, so a slow section can be
     # measured on its own (BENCH_ONLY) without losing the others.
     previous = json.loads(out.read_text()) if out.exists() else {}
+    if previous.get("schema") != SCHEMA:  # figures measured another way are not kept beside these
+        previous = {}
     measured = {**previous.get("measured_at", {}), **{s: time.strftime("%Y-%m-%dT%H:%M:%S") for s in only}}
-    kept = {s: previous[s] for s in SECTIONS if s in previous and s not in only}
+    kept = {k: previous[k] for k in (*SECTIONS, "ttfs_target_s", "cuda") if k in previous and k not in only
+            and not (k == "ttfs_target_s" and "ttfs" in only)}
     memory = {**previous.get("memory_mib", {}), **{k: summary(v) for k, v in bench.memory.items()}}
-    results = {"host": {"cpus": os.cpu_count(), "torch": torch.__version__, "gpu": torch.cuda.is_available()},
+    results = {"schema": SCHEMA, "host": {"cpus": os.cpu_count(), "torch": torch.__version__, "gpu": torch.cuda.is_available()},
                "repeats": repeats, "sections": only, "total_s": time.time() - started, "measured_at": measured,
                **kept, **bench.results, "memory_mib": memory}
-    text = table(results)
-    print(text)
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(results, indent=2) + "\n")
     os.replace(tmp, out)
+    print(table(results))
     print(f"\nwrote {out}")
     return 0
 

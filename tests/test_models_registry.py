@@ -1,11 +1,18 @@
 """pipeline.models.registry: the hf path refuses torch.compile with tensor parallelism (its compiled
 TP plan computes wrong gradients, found by `make rehearse`), in one line, before anything launches;
-every path names where its model shows the parallel plan."""
+every path names where its model shows the parallel plan; on one rank training in fp32 the native
+model gets no FSDP (it would shard nothing and cast nothing, only copy every parameter and gradient
+each step), with more ranks or parameters in a lower precision it does."""
 
 from __future__ import annotations
 
+import functools
+
+import pytest
+
 from conftest import run_pipeline
 from pipeline.models import registry
+from pipeline.training.resolve import RunRequest, resolve
 
 MODEL = "Qwen/Qwen3-4B-Instruct-2507"  # dry-run resolvable from configs/hub_configs
 
@@ -31,3 +38,20 @@ def test_every_path_has_plan_landmarks():
         landmarks = registry.get(name).landmarks
         assert landmarks.colwise.endswith(".weight") and landmarks.rowwise.endswith(".weight")
         assert landmarks.norm.startswith(landmarks.block + ".")
+
+
+@pytest.mark.parametrize(("ranks", "config", "fsdp"), [(1, None, False), (2, None, True), (1, "bf16", True)])
+def test_fsdp_only_where_it_shards_or_casts(tmp_path, ranks, config, fsdp):
+    from torchtitan.models.qwen3 import parallelize_qwen3
+
+    user = None
+    if config:
+        user = tmp_path / "bf16.toml"
+        user.write_text('[train]\ndtype = "bfloat16"\n')
+    spec = resolve(RunRequest(model="tiny", path="native", target="cpu", nproc_per_node=ranks, config=user,
+                              dry_run=True, checkpoints_root=tmp_path))
+    fn = registry.get("native").build(spec).parallelize_fn
+    if fsdp:
+        assert fn is parallelize_qwen3
+    else:
+        assert isinstance(fn, functools.partial) and fn.func is parallelize_qwen3 and fn.keywords == {"skip_dp": True}

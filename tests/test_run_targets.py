@@ -1,15 +1,21 @@
 """run/targets.py, stages/launch.py, stages/image.py, Dockerfile: TorchNeuron's compile cache is
 TORCH_NEURONX_NEFF_CACHE_DIR, one persistent directory, so a second run with the same shapes reuses
-the compiled graphs (issue 12, finding 12; torch/reference/env-vars in shared/notes/neuron.md)."""
+the compiled graphs (issue 12, finding 12; torch/reference/env-vars in shared/notes/neuron.md).
+On CPU, glibc keeps freed memory (large mmap/trim thresholds: a step over the vocabulary no longer
+re-faults its logits) only for runs needing at most a quarter of the machine (issue 14)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import subprocess
 
 from conftest import REPO
+from pipeline.checkpoint.arch import arch_from_config
 from pipeline.run import targets
+from pipeline.run.settings import CONFIG_DIR, TrainSettings
+from pipeline.training import memory
 from pipeline.stages import image, launch
 
 OLD = "NEURON_COMPILE_CACHE_URL"
@@ -24,7 +30,8 @@ def test_trn2_launch_sets_the_variable_torchneuron_reads():
     assert trn2.launch_env({})[NEW] == env[NEW] and not env[NEW].startswith("/tmp")
     # A cache the user chose wins over the default.
     assert trn2.launch_env({NEW: "/fsx/neff"})[NEW] == "/fsx/neff"
-    assert targets.TARGETS["cpu"].launch_env({"A": "1"}) == {"A": "1", **targets.TARGETS["cpu"].env}
+    # CPU: glibc keeps freed memory unless the run is known to need much of the machine (below).
+    assert targets.TARGETS["cpu"].launch_env({"A": "1"}) == {"A": "1", **targets.RETAIN_FREED_MEMORY}
 
 
 def test_no_module_sets_the_torch_xla_variable():
@@ -66,3 +73,35 @@ def test_slurm_nodes_share_one_cache(tmp_path, monkeypatch):
     script = launch.render_slurm(launch.plan(args))["train.sbatch"]
     assert f"export {NEW}=/fsx/checkpoints/.neuron-compile-cache" in script
     assert f'mkdir -p "${NEW}"' in script and OLD not in script
+
+
+CPU = targets.TARGETS["cpu"]
+
+
+def arch(name: str):
+    return arch_from_config(json.loads((CONFIG_DIR / "hub_configs" / f"{name}.json").read_text()))
+
+
+def need(model, ranks: int = 2) -> int:
+    per_rank = memory.estimate(model, TrainSettings(nproc_per_node=ranks), "native", "cpu").total
+    return int((per_rank + memory.CPU_PROCESS_GIB * memory.GIB) * ranks)
+
+
+def test_tiny_runs_keep_freed_memory(monkeypatch):
+    monkeypatch.setattr(targets, "physical_memory_bytes", lambda: 24 * 2**30)
+    from pipeline.checkpoint.embedded import EMBEDDED
+
+    tiny = arch_from_config(EMBEDDED["tiny"].config)
+    assert CPU.launch_vars({}, need(tiny)) == targets.RETAIN_FREED_MEMORY
+
+
+def test_a_real_model_gets_glibc_defaults(monkeypatch):
+    monkeypatch.setattr(targets, "physical_memory_bytes", lambda: 24 * 2**30)
+    assert CPU.launch_vars({}, need(arch("Qwen3-0.6B"))) == {}
+    monkeypatch.setattr(targets, "physical_memory_bytes", lambda: 2048 * 2**30)
+    assert CPU.launch_vars({}, need(arch("Qwen3-0.6B"))) == targets.RETAIN_FREED_MEMORY
+
+
+def test_other_targets_keep_their_own_environment():
+    assert "MALLOC_MMAP_THRESHOLD_" not in targets.TARGETS["trn2"].launch_vars({}, 1)
+    assert targets.TARGETS["cuda"].launch_vars({}, 1) == {}

@@ -36,12 +36,13 @@ class CheckpointReport:
 
 def read_header(path: Path) -> dict[str, TensorInfo]:
     """Tensor name → dtype/shape from a safetensors header (safetensors' own parser, which also
-    refuses a truncated file or a corrupt header); no tensor data is read."""
+    refuses a truncated file or a corrupt header); no tensor data is read. The numpy framework
+    keeps torch out of processes that only look (the train launcher, dry runs)."""
     from safetensors import SafetensorError, safe_open
 
     path = Path(path)
     try:
-        with safe_open(str(path), framework="pt") as handle:
+        with safe_open(str(path), framework="numpy") as handle:
             infos = {}
             for name in handle.keys():
                 info = handle.get_slice(name)

@@ -20,9 +20,11 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def write(directory: Path, info: dict) -> None:
-    files = {p.name: {"sha256": sha256(p), "bytes": p.stat().st_size} for p in sorted(Path(directory).iterdir())
-             if p.is_file()}
+def write(directory: Path, info: dict, known: dict[str, str] | None = None) -> None:
+    """`known`: sha256 already computed while a file was written (export's shards), not re-read."""
+    known = known or {}
+    files = {p.name: {"sha256": known.get(p.name) or sha256(p), "bytes": p.stat().st_size}
+             for p in sorted(Path(directory).iterdir()) if p.is_file()}
     atomic_write_text(Path(directory) / MANIFEST, json.dumps({**info, "files": files}, indent=2) + "\n")
 
 

@@ -2,7 +2,9 @@
 
 - `dense_mask_attention`: FlexAttention has no CPU backward (torch 2.14), and it is the only
   attention torchtitan offers language models. The replacement turns the same block-causal
-  BlockMask into a dense boolean mask and calls scaled_dot_product_attention: same math.
+  BlockMask into a dense boolean mask and calls scaled_dot_product_attention: same math. Every
+  layer gets the same BlockMask in one forward: the dense mask is made once, by evaluating
+  mask_mod on broadcast index tensors (create_mask's vmap costs more than the attention here).
 - `loop_experts`: GroupedExperts always runs torch._grouped_mm in bfloat16; on CPU that is
   slow and, worse, not float32, so fp32 losses could not match Hugging Face's. The
   replacement runs each expert's SwiGLU in the input dtype (`pipeline.models.reference.experts_reference`).
@@ -23,6 +25,24 @@ from torchtitan.models.common.moe import GroupedExperts
 from pipeline.models.reference import experts_reference
 
 
+def dense_mask(block_mask, batch: int, length: int, device) -> torch.Tensor:
+    """[B, 1, L, L] bool of a BlockMask's mask_mod, made once per BlockMask (kept on it)."""
+    cached = getattr(block_mask, "pipeline_dense_mask", None)  # an attribute of ours on that BlockMask
+    if cached is not None and cached.shape == (batch, 1, length, length):
+        return cached
+    idx = lambda *shape: torch.arange(max(shape), device=device).view(shape)  # noqa: E731
+    try:
+        # Element-wise mask_mods (causal, packed documents, and_masks of them) broadcast as they are.
+        mask = block_mask.mask_mod(idx(batch, 1, 1, 1), idx(1, 1, 1, 1), idx(1, 1, length, 1), idx(1, 1, 1, length))
+        mask = mask.expand(batch, 1, length, length) if mask.dtype == torch.bool else None
+    except (RuntimeError, IndexError, TypeError):
+        mask = None
+    if mask is None:  # a mask_mod that does not broadcast: the general (vmap) way
+        mask = create_mask(block_mask.mask_mod, batch, None, length, length, device=device)
+    block_mask.pipeline_dense_mask = mask
+    return mask
+
+
 class DenseMaskAttention(FlexAttention):
     @dataclass(kw_only=True, slots=True)
     class Config(FlexAttention.Config):
@@ -32,8 +52,7 @@ class DenseMaskAttention(FlexAttention):
                 enable_gqa=False, out_transform=None, **kwargs):
         if score_mod is not None or out_transform is not None:
             raise NotImplementedError("dense_mask_attention supports plain masked attention only")
-        batch, length = q_BLNH.shape[0], q_BLNH.shape[1]
-        mask = create_mask(attention_masks.mask_mod, batch, None, length, length, device=q_BLNH.device)
+        mask = dense_mask(attention_masks, q_BLNH.shape[0], q_BLNH.shape[1], q_BLNH.device)
         out = F.scaled_dot_product_attention(
             q_BLNH.transpose(1, 2), k_BLNH.transpose(1, 2), v_BLNH.transpose(1, 2),
             attn_mask=mask, scale=scale, enable_gqa=enable_gqa,

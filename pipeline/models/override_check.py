@@ -1,18 +1,26 @@
 """Startup check of torchtitan `override.imports` against a model's config tree.
 
 torchtitan 0.3.0 applies overrides inside Trainer.__init__ and only warns when *no* override
-matched at all. The pipeline wants more, before any build or compile, in the launching process
-(so dry runs see it too): every override matched with the same rules torchtitan uses (target
-class, `exact`, fnmatch FQN globs from the Trainer.Config root, no descent below a match), a
-warning per override that matched nothing listing the closest real module names, conflicts
-(same node, or ancestor/descendant) stopping the run naming both, and a one-line summary.
+matched at all. The pipeline wants more, before any build or compile: every override matched
+with the same rules torchtitan uses (target class, `exact`, fnmatch FQN globs from the
+Trainer.Config root, no descent below a match), a warning per override that matched nothing
+listing the closest real module names, conflicts (same node, or ancestor/descendant) stopping
+the run naming both, and a one-line summary.
+
+It needs torchtitan, so it runs where torchtitan is imported anyway: in every rank before the
+trainer is built (pipeline.training.entry). A dry run, which starts no rank, runs it in a child
+process (`python -m pipeline.models.override_check`, run.json on stdin, the report as JSON on
+stdout), so the launching process never imports torch or torchtitan.
 """
 
 from __future__ import annotations
 
 import difflib
 import importlib
-from dataclasses import dataclass, field
+import json
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
 from fnmatch import fnmatch
 
 from pipeline.errors import PipelineError
@@ -105,3 +113,40 @@ def _check_conflicts(matches: list[OverrideMatch]) -> None:
 
 def glob_matches(pattern: str, fqn: str) -> bool:
     return fnmatch(fqn, pattern)
+
+
+def check_spec(spec) -> CheckReport:
+    """A run's override.imports against its model (the native Qwen3 tree every override targets)."""
+    from pipeline.models import attention_backends, native
+
+    backend = attention_backends.titan_backend(spec.settings.attention_backend)
+    return check(spec.overrides, native.model_config(spec.arch, backend))
+
+
+def check_in_child(spec) -> CheckReport:
+    """check_spec in a child process: the caller stays free of torch and torchtitan."""
+    result = subprocess.run([sys.executable, "-m", __name__], input=json.dumps(spec.to_dict()), capture_output=True,
+                            text=True)
+    try:
+        answer = json.loads(result.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        raise RuntimeError(f"override check failed (exit {result.returncode}):\n{result.stderr[-3000:]}") from None
+    if "error" in answer:
+        raise PipelineError(*answer["error"])
+    return CheckReport([OverrideMatch(**m) for m in answer["matches"]], answer["warnings"])
+
+
+def _main() -> None:
+    from pipeline.run.spec import RunSpec
+
+    spec = RunSpec.from_dict(json.loads(sys.stdin.read()))
+    try:
+        report = check_spec(spec)
+    except PipelineError as err:
+        print(json.dumps({"error": [err.problem, err.fix]}))
+        return
+    print(json.dumps({"matches": [asdict(m) for m in report.matches], "warnings": report.warnings}))
+
+
+if __name__ == "__main__":
+    _main()

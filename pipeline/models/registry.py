@@ -51,7 +51,7 @@ class TrainingPath:
     summary: str
     build: Callable[[RunSpec], object]  # RunSpec -> torchtitan ModelSpec
     overrides: Callable[[str, TrainSettings], tuple[str, ...]] = lambda target, settings: ()  # -> override.imports
-    prepare: Callable[[RunSpec], None] | None = None  # launcher side, dry runs too
+    prepare: Callable[[RunSpec, bool], None] | None = None  # launcher side (spec, dry_run); no torch
     landmarks: PlanLandmarks = NATIVE_LANDMARKS
     colour: str = "tab:gray"  # report: fixed per path so a path keeps its look from report to report
     line: tuple[str, str] = ("-", "o")
@@ -60,8 +60,10 @@ class TrainingPath:
 def _native(spec: RunSpec):
     from pipeline.models import native
 
+    # FSDP on one rank shards nothing; it still casts parameters when they train in a lower precision.
+    shard = spec.world_size > 1 or spec.settings.dtype != "float32"
     return native.model_spec(spec.arch, spec.model_key,
-                             attention_backends.titan_backend(spec.settings.attention_backend))
+                             attention_backends.titan_backend(spec.settings.attention_backend), shard=shard)
 
 
 def _hf(spec: RunSpec):
@@ -89,7 +91,7 @@ def _nki_overrides(target: str, settings: TrainSettings) -> tuple[str, ...]:
     return tuple(o for o in _native_overrides(target, settings) if o not in replaced)
 
 
-def _prepare_hf(spec: RunSpec) -> None:
+def _prepare_hf(spec: RunSpec, dry_run: bool) -> None:
     s = spec.settings
     if s.compile and s.tensor_parallel > 1:
         # Found by `make rehearse`: transformers' Qwen3 with the TP plan's ParallelStyles, compiled
@@ -100,10 +102,10 @@ def _prepare_hf(spec: RunSpec) -> None:
                             "set compile = false for the hf path ([paths.hf] in the config) or tensor_parallel = 1.")
 
 
-def _prepare_nki(spec: RunSpec) -> None:
+def _prepare_nki(spec: RunSpec, dry_run: bool) -> None:
     from pipeline.models.nki import prepare
 
-    prepare.prepare(spec)
+    prepare.prepare(spec, dry_run)
 
 
 PATHS: dict[str, TrainingPath] = {

@@ -2,10 +2,15 @@
 
   run.json               the resolved run (RunSpec)          metrics.jsonl   one JSON object per step
   first_batch/rank*.safetensors   each rank's step-1 batch    timings.json    start-up marks of rank 0
-  checkpoint/step-N/     torchtitan DCP + model_weights.safetensors (the complete-checkpoint mark)
+  checkpoint/step-N/     torchtitan DCP (complete once its .metadata exists: what resume uses);
+                         a run's last step also holds model_weights.safetensors (what export reads)
   export/                the HF export                        verify.json     verify's result
   logs/, tb/             per-rank logs, TensorBoard events    .lock           held by a live launch
   plan/rank*.json        what each rank ran (parallel layout, step 1), when the run records it (rehearse)
+  failure.json           a rank's one-line error (PipelineError), read back by the launcher
+  memory.json            each rank's peak memory against the estimate (pipeline.training.memory)
+  reference_loss.json    verify's plain-transformers loss of the source on the first batch (kept)
+  saves.jsonl            one line per checkpoint save: seconds and bytes of DCP and of the weights copy
 """
 
 from __future__ import annotations
@@ -22,9 +27,9 @@ METRICS = "metrics.jsonl"
 FIRST_BATCH = "first_batch"
 TIMINGS = "timings.json"
 CHECKPOINT = "checkpoint"
-# Beside each DCP step: the full model state dict as safetensors (torchtitan keys). DCP's own
-# .metadata is a pickle, and this project never unpickles a checkpoint; export reads this file.
-# It is renamed into place after DCP finished the step, so a step that has it is complete.
+# Beside the DCP files of a run's last step (and step 0 of a STEPS=0 run): the model state dict as
+# safetensors (torchtitan keys). DCP's own .metadata is a pickle, and this project never unpickles a
+# checkpoint; export reads this file. It is renamed into place after DCP finished the step.
 WEIGHTS = "model_weights.safetensors"
 DCP_METADATA = ".metadata"
 EXPORT = "export"
@@ -33,6 +38,10 @@ LOGS = "logs"
 TENSORBOARD = "tb"
 LOCK = ".lock"
 PLAN = "plan"
+FAILURE = "failure.json"
+MEMORY = "memory.json"
+REFERENCE_LOSS = "reference_loss.json"
+SAVES = "saves.jsonl"
 
 
 @dataclass(frozen=True)
@@ -91,6 +100,35 @@ class RunDir:
         files = sorted(self.plan.glob("rank*.json"), key=lambda f: int(f.stem.removeprefix("rank")))
         return [json.loads(f.read_text()) for f in files]
 
+    @property
+    def saves(self) -> Path:
+        return self.path / SAVES
+
+    @property
+    def reference_loss(self) -> Path:
+        return self.path / REFERENCE_LOSS
+
+    @property
+    def memory(self) -> Path:
+        return self.path / MEMORY
+
+    @property
+    def failure(self) -> Path:
+        return self.path / FAILURE
+
+    def record_failure(self, rank: int, problem: str, fix: str) -> None:
+        """A rank stopping on a PipelineError leaves it here for the launcher (first rank wins)."""
+        from pipeline.fsutil import atomic_write_text
+
+        if not self.failure.exists():
+            atomic_write_text(self.failure, json.dumps({"rank": rank, "problem": problem, "fix": fix}) + "\n")
+
+    def recorded_failure(self) -> dict | None:
+        try:
+            return json.loads(self.failure.read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+
     def exists(self) -> bool:
         return self.run_json.is_file()
 
@@ -118,35 +156,46 @@ class RunDir:
         return found
 
     def dcp_steps(self) -> list[int]:
-        """Steps whose DCP save finished (torchtitan resumes from the last of these)."""
+        """Steps whose DCP save finished: DCP renames .metadata into place last (torchtitan
+        resumes from the last of these)."""
         return sorted(s for s, d in self.checkpoint_steps().items() if (d / DCP_METADATA).exists())
 
     def complete_steps(self) -> list[int]:
-        """Steps with the weights file, renamed into place last: complete checkpoints."""
-        return sorted(s for s, d in self.checkpoint_steps().items() if (d / WEIGHTS).exists())
+        """Complete checkpoints, the ones a resume may start from: DCP finished."""
+        return self.dcp_steps()
 
-    def latest_complete_step(self) -> int | None:
-        steps = self.complete_steps()
+    def exportable_steps(self) -> list[int]:
+        """Complete checkpoints that also hold the weights file (a run's last step)."""
+        complete = set(self.dcp_steps())
+        return sorted(s for s, d in self.checkpoint_steps().items() if s in complete and (d / WEIGHTS).exists())
+
+    def latest_exportable_step(self) -> int | None:
+        steps = self.exportable_steps()
         return steps[-1] if steps else None
 
     def weights_file(self, step: int | None = None) -> tuple[int, Path]:
-        """The safetensors weights of the last complete (or the given) checkpoint."""
+        """The safetensors weights of the last exportable (or the given) checkpoint."""
         steps = self.checkpoint_steps()
         if not steps:
             raise PipelineError(f"{self.path} has no checkpoint yet.",
                                 "train first (`make train-… STEPS=N`; STEPS=0 saves the loaded weights).")
         if step is None:
-            # A save cut short by a kill lacks the weights file and is skipped, as torchtitan's resume skips it.
-            step = self.latest_complete_step()
+            step = self.latest_exportable_step()
             if step is None:
-                step = max(steps)
+                raise PipelineError(f"{self.path} has checkpoints of steps {sorted(steps)} but none holds {WEIGHTS}, "
+                                    "which a run writes at its last step: the run was cut short.",
+                                    "rerun the training command; it resumes and finishes the run.")
+            if step < max(self.dcp_steps()):
+                print(f"warning: exporting step {step}; the later checkpoints {[s for s in self.dcp_steps() if s > step]} "
+                      "belong to a run that has not finished (rerun training to finish it).")
         elif step not in steps:
             raise PipelineError(f"{self.path} has no checkpoint of step {step} (it has {sorted(steps)}).",
                                 "pick one of those steps.")
         path = steps[step] / WEIGHTS
-        if not path.exists():
-            raise PipelineError(f"{steps[step]} has no {WEIGHTS} (interrupted save, or made by another trainer).",
-                                "resume or rerun the training stage so the checkpoint is written completely.")
+        if not path.exists() or step not in self.dcp_steps():
+            raise PipelineError(f"{steps[step]} has no {WEIGHTS}: only a run's last step holds the weights export "
+                                f"reads (exportable here: {self.exportable_steps() or 'none'}).",
+                                "export the last step, or resume or rerun training so its last step is saved completely.")
         return step, path
 
     # ---- metrics ----------------------------------------------------------------------------

@@ -22,6 +22,23 @@ NEFF_CACHE_ENV = "TORCH_NEURONX_NEFF_CACHE_DIR"
 DEFAULT_NEFF_CACHE = "/var/tmp/neuron-compile-cache"
 
 
+# glibc returns a freed block of more than 32 MiB (its largest dynamic mmap threshold) to the
+# kernel at once, so the tensors of every step over the 151936-word vocabulary (logits, their
+# log-softmax and gradients: 150 MB each at batch 2 × 128) are faulted in afresh, zeroed by the
+# kernel, every step. Raising the thresholds keeps freed memory for reuse: measured on the tiny
+# model, one process, 2 threads, the settings alternating, 4 rounds on a busy 2-core machine:
+# 0.7–1.3 s CPU per step with them, 1.4–2.7 s without (1.4–3.2× within each round); at 512 MiB
+# they lose the gain, and glibc's transparent-huge-page tunable (glibc.malloc.hugetlb=1) does not
+# help. What they keep is also never given back: a Qwen3-0.6B-shaped model at the CPU defaults
+# peaked about 1 GiB higher per rank with them and was killed on a 24 GiB machine; without them
+# it trains (10.7 GiB per rank).
+RETAIN_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "4294967296"}
+# ... so they are set only for runs whose estimated need (pipeline.training.memory plus the
+# processes, all ranks) is at most this fraction of the machine's memory: the embedded models,
+# not real ones.
+RETAIN_FREED_UP_TO = 0.25
+
+
 @dataclass(frozen=True)
 class Target:
     name: str
@@ -29,12 +46,18 @@ class Target:
     env: dict = field(default_factory=dict)  # set for every launch on this target
     env_defaults: dict = field(default_factory=dict)  # set unless the caller's environment already sets them
 
-    def launch_vars(self, environ: dict) -> dict:
-        """The variables this target sets for a launch, resolved against the caller's environment."""
-        return {**{k: environ.get(k, v) for k, v in self.env_defaults.items()}, **self.env}
+    retain_freed_memory: bool = False  # glibc keeps freed memory (RETAIN_FREED_MEMORY) for runs that fit
 
-    def launch_env(self, environ: dict) -> dict:
-        return {**environ, **self.launch_vars(environ)}
+    def launch_vars(self, environ: dict, need_bytes: int | None = None) -> dict:
+        """The variables this target sets for a launch, resolved against the caller's environment;
+        `need_bytes`: what the launch's ranks need together from this host (unknown: None)."""
+        chosen = {**{k: environ.get(k, v) for k, v in self.env_defaults.items()}, **self.env}
+        if self.retain_freed_memory and (need_bytes is None or need_bytes <= RETAIN_FREED_UP_TO * physical_memory_bytes()):
+            chosen = {**RETAIN_FREED_MEMORY, **chosen}
+        return chosen
+
+    def launch_env(self, environ: dict, need_bytes: int | None = None) -> dict:
+        return {**environ, **self.launch_vars(environ, need_bytes)}
 
     def peak_flops_per_rank(self, lnc: int = 2) -> float | None:
         if self.name == "trn2":
@@ -55,13 +78,16 @@ def _cuda_device_name() -> str:
 
 
 TARGETS = {
-    "cpu": Target("cpu", "CPU with gloo (the embedded default; tests and CI)",
-                  env={"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "4294967296"}),
+    "cpu": Target("cpu", "CPU with gloo (the embedded default; tests and CI)", retain_freed_memory=True),
     "cuda": Target("cuda", "NVIDIA GPUs with NCCL"),
     "trn2": Target("trn2", "trn2.48xlarge: 64 logical NeuronCores at LNC=2, TorchNeuron",
                    env={"NEURON_LOGICAL_NC_CONFIG": "2", "NEURON_RT_STOCHASTIC_ROUNDING_EN": "1"},
                    env_defaults={NEFF_CACHE_ENV: DEFAULT_NEFF_CACHE}),
 }
+
+
+def physical_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def neuron_devices() -> list[str]:

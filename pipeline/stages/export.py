@@ -1,15 +1,20 @@
 """Stage `export`: a run's last complete checkpoint as a Hugging Face checkpoint, <run dir>/export/.
 
-Reads only the safetensors weights copy beside each DCP step (DCP's .metadata is a pickle and
-is never read), converts keys with the run's own state-dict adapter, writes shards, config.json
-(transformers' current form), the tokenizer files and manifest.json (last) into a temporary
-sibling, renamed into place only when complete. See docs/design.md for the tied lm_head rule.
+Reads only the safetensors weights copy beside the run's last DCP step (DCP's .metadata is a
+pickle and is never read), converts keys with the run's own state-dict adapter, writes shards,
+config.json (transformers' current form), the tokenizer files and manifest.json (last) into a
+temporary sibling, renamed into place only when complete. See docs/design.md for the tied
+lm_head rule.
+
+Tensors stream through: the whole conversion is planned on meta tensors from the file's header
+(keys, shapes, shards, all checked against the source before any data is read), then each
+tensor is read, checked, converted, cast and written on its own, and each shard is hashed as it
+is written. Peak memory is about the largest tensor, whatever the model's size.
 """
 
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import shutil
 import time
@@ -30,6 +35,7 @@ from pipeline.run.spec import RunSpec
 CARRIED_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
                  "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "tokenizer.model")
 PROGRESS_MIN_BYTES = 1 << 30
+EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 
 @dataclass(frozen=True)
@@ -68,43 +74,114 @@ def run(args: argparse.Namespace) -> Path:
     return export(config)
 
 
-def to_hf(titan_state: dict, spec: RunSpec, source_keys: set[str]) -> dict:
-    """The run's model keys → the source checkpoint's Hugging Face keys, via the state-dict
-    adapter the run's model spec names (torchtitan's Qwen3StateDictAdapter on native/nki)."""
-    arch = spec.arch
+@dataclass
+class Piece:
+    """One tensor of the export: its HF key, the run's key it comes from, and its shape."""
+
+    hf_key: str
+    titan_key: str
+    shape: tuple[int, ...]
+
+
+def plan(weights: Path, spec: RunSpec, source_keys: dict, dtype: str) -> list[Piece]:
+    """Every export tensor, from the weights file's header alone: the run's state-dict adapter
+    (torchtitan's Qwen3StateDictAdapter on native/nki) applied to meta tensors, key by key."""
+    import torch
+
+    header = hf_dir.read_header(weights)  # truncation → a clear error before anything is read
     model_spec = registry.get(spec.path).build(spec)
     adapter = model_spec.state_dict_adapter(model_spec.model, None)
-    hf_state = adapter.to_hf(titan_state)
-    if arch.tie_word_embeddings:
-        hf_state.pop("lm_head.weight", None)
-        if "lm_head.weight" in source_keys:
-            # The adapter drops a tied lm_head; this source stores it, so the export does too.
-            hf_state["lm_head.weight"] = hf_state["model.embed_tokens.weight"].clone()
-    missing, extra = sorted(source_keys - set(hf_state)), sorted(set(hf_state) - source_keys)
-    if missing or extra:
+    pieces: list[Piece] = []
+    for titan_key, info in header.items():
+        meta = torch.empty(info.shape, dtype=getattr(torch, dtype), device="meta")
+        for hf_key, value in adapter.to_hf({titan_key: meta}).items():
+            if hf_key == LM_HEAD and spec.arch.tie_word_embeddings:
+                continue  # tied: the embedding is the lm_head (written below when the source has the key)
+            pieces.append(Piece(hf_key, titan_key, tuple(value.shape)))
+            if hf_key == EMBEDDING and spec.arch.tie_word_embeddings and LM_HEAD in source_keys:
+                # The adapter drops a tied lm_head; this source stores it, so the export does too.
+                pieces.append(Piece(LM_HEAD, titan_key, tuple(value.shape)))
+    names = {p.hf_key for p in pieces}
+    missing, extra = sorted(set(source_keys) - names), sorted(names - set(source_keys))
+    if missing or extra or len(names) != len(pieces):
         raise PipelineError(f"the converted weights do not have the source's keys: missing {missing[:4]}, extra {extra[:4]}.",
                             "export a run trained from this source checkpoint (run.json source_dir).")
-    return hf_state
+    for piece in pieces:
+        if piece.shape != source_keys[piece.hf_key].shape:
+            raise PipelineError(f"{weights}: {piece.hf_key} has shape {piece.shape}, the source "
+                                f"{source_keys[piece.hf_key].shape}.", "export a run trained from this source checkpoint.")
+    return pieces
 
 
-def read_titan_weights(path: Path) -> dict:
+class Converter:
+    """Reads one tensor of the run's weights at a time and turns it into its HF pieces (cast to
+    the export dtype); the last tensor's pieces are kept until the next is asked for."""
+
+    def __init__(self, weights: Path, spec: RunSpec, dtype: str, tied_copy: bool):
+        import torch
+
+        from pipeline.checkpoint.stream import SafetensorsReader
+
+        model_spec = registry.get(spec.path).build(spec)
+        self.adapter = model_spec.state_dict_adapter(model_spec.model, None)
+        self.weights, self.dtype, self.torch, self.tied_copy = weights, getattr(torch, dtype), torch, tied_copy
+        self.reader = SafetensorsReader(weights)  # plan() validated the file with safetensors' parser
+        self.current: tuple[str, dict] | None = None
+
+    def get(self, piece: Piece):
+        if self.current is None or self.current[0] != piece.titan_key:
+            self.current = None  # frees the previous tensor before the next is read
+            try:
+                tensor = self.reader.get(piece.titan_key)
+            except (OSError, ValueError) as err:
+                raise PipelineError(f"{self.weights} cannot be read ({err}).",
+                                    "rerun the training stage to rewrite the checkpoint.") from err
+            if tensor.is_floating_point() and not _finite(tensor, self.torch):
+                raise PipelineError(f"{self.weights}: tensor {piece.titan_key} holds NaN or Inf; the run diverged.",
+                                    "export an earlier step (--step) or retrain with a lower learning rate.")
+            converted = self.adapter.to_hf({piece.titan_key: tensor})
+            del tensor
+            converted = {k: v.to(self.dtype) for k, v in converted.items()}
+            if self.tied_copy and EMBEDDING in converted:
+                converted[LM_HEAD] = converted[EMBEDDING]
+            self.current = (piece.titan_key, converted)
+        return self.current[1][piece.hf_key]
+
+
+def _finite(tensor, torch) -> bool:
+    """No NaN or Inf: a sum of finite values is finite unless it overflows, so one reduction
+    decides, and only an overflowing sum pays for the exact element-wise check."""
+    return bool(torch.isfinite(tensor.sum(dtype=torch.float32))) or bool(torch.isfinite(tensor).all())
+
+
+def write_shards(pieces: list[Piece], convert: Converter, tmp: Path, max_shard_size: str, dtype: str) -> dict[str, str]:
+    """Shards as huggingface_hub splits them, each written tensor by tensor; returns file → sha256."""
     import torch
-    from safetensors import SafetensorError
-    from safetensors.torch import safe_open
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from tqdm import tqdm
 
-    hf_dir.read_header(path)  # truncation → a clear error before anything is read
-    state = {}
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            for key in handle.keys():
-                tensor = handle.get_tensor(key)
-                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                    raise PipelineError(f"{path}: tensor {key} holds NaN or Inf; the run diverged.",
-                                        "export an earlier step (--step) or retrain with a lower learning rate.")
-                state[key] = tensor
-    except SafetensorError as err:
-        raise PipelineError(f"{path} cannot be read ({err}).", "rerun the training stage to rewrite the checkpoint.") from err
-    return state
+    from pipeline.checkpoint.stream import Entry, SafetensorsWriter
+
+    by_key = {p.hf_key: p for p in pieces}
+    order = {p.hf_key: i for i, p in enumerate(pieces)}
+    meta = {p.hf_key: torch.empty(p.shape, dtype=getattr(torch, dtype), device="meta") for p in pieces}
+    split = split_torch_state_dict_into_shards(meta, max_shard_size=max_shard_size,
+                                               filename_pattern="model{suffix}.safetensors")
+    total = sum(t.numel() * t.element_size() for t in meta.values())
+    hashes = {}
+    with tqdm(total=total, unit="B", unit_scale=True, desc="export", disable=total < PROGRESS_MIN_BYTES) as bar:
+        for filename, keys in split.filename_to_tensors.items():
+            # Read in the weights file's order, so each of its tensors is converted once.
+            keys = sorted(keys, key=order.__getitem__)
+            entries = [Entry(k, dtype, by_key[k].shape) for k in keys]
+            with SafetensorsWriter(tmp / filename, entries, metadata={"format": "pt"}, sync=False) as writer:
+                for key in keys:
+                    writer.write(convert.get(by_key[key]))
+                    bar.update(meta[key].numel() * meta[key].element_size())
+                hashes[filename] = writer.close()
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(split.tensor_to_filename.items()))}
+    (tmp / hf_dir.INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    return hashes
 
 
 def write_config(source: Path, tmp: Path, dtype: str, arch: Qwen3Arch) -> None:
@@ -120,33 +197,7 @@ def write_config(source: Path, tmp: Path, dtype: str, arch: Qwen3Arch) -> None:
                             "report this; the source config.json may use fields transformers ignores.")
 
 
-def write_shards(state: dict, tmp: Path, max_shard_size: str) -> dict[str, str]:
-    from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors import SafetensorError
-    from safetensors.torch import save_file
-    from tqdm import tqdm
-
-    split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_size,
-                                               filename_pattern="model{suffix}.safetensors")
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    with tqdm(total=total, unit="B", unit_scale=True, desc="export", disable=total < PROGRESS_MIN_BYTES) as bar:
-        for filename, keys in split.filename_to_tensors.items():
-            try:
-                save_file({k: state[k].contiguous() for k in keys}, str(tmp / filename), metadata={"format": "pt"})
-            except SafetensorError as err:
-                # safetensors reports a full disk as its own error type; name it the way the CLI does.
-                if "os error 28" in str(err):
-                    raise OSError(errno.ENOSPC, "No space left on device", str(tmp.parent)) from err
-                raise
-            bar.update(sum(state[k].numel() * state[k].element_size() for k in keys))
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(split.tensor_to_filename.items()))}
-    (tmp / hf_dir.INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    return split.tensor_to_filename
-
-
 def export(config: ExportConfig) -> Path:
-    import torch
-
     started = time.perf_counter()
     spec = config.run.spec()
     source = Path(spec.source_dir)
@@ -158,25 +209,18 @@ def export(config: ExportConfig) -> Path:
     if arch != source_report.arch:
         raise PipelineError(f"{source}/config.json no longer matches the architecture the run trained "
                             f"({config.run.run_json}).", "re-download the source checkpoint the run was trained from.")
-    titan_state = read_titan_weights(weights)
-    hf_state = to_hf(titan_state, spec, set(source_report.tensors))
-    del titan_state
-    for key, tensor in hf_state.items():
-        expected = source_report.tensors[key].shape
-        if tuple(tensor.shape) != expected:
-            raise PipelineError(f"{weights}: {key} has shape {tuple(tensor.shape)}, the source {expected}.",
-                                "export a run trained from this source checkpoint.")
-        hf_state[key] = tensor.to(getattr(torch, config.dtype))
+    pieces = plan(weights, spec, source_report.tensors, config.dtype)
     with atomic_directory(config.target, replace=config.force) as tmp:
-        write_shards(hf_state, tmp, config.max_shard_size)
+        convert = Converter(weights, spec, config.dtype, tied_copy=any(p.hf_key == LM_HEAD for p in pieces) and arch.tie_word_embeddings)
+        hashes = write_shards(pieces, convert, tmp, config.max_shard_size, config.dtype)
         write_config(source, tmp, config.dtype, arch)
         for name in CARRIED_FILES:
             if (source / name).exists():
                 shutil.copy2(source / name, tmp / name)
         hf_dir.validate(tmp)
         manifest.write(tmp, {"step": step, "dtype": config.dtype, "source": str(source),
-                             "run_dir": str(config.run.path), "weights": str(weights)})
+                             "run_dir": str(config.run.path), "weights": str(weights)}, known=hashes)
     size = sum(p.stat().st_size for p in config.target.glob("*.safetensors"))
-    print(f"exported step {step} of {config.run.path} → {config.target} ({len(hf_state)} tensors, {config.dtype}, "
+    print(f"exported step {step} of {config.run.path} → {config.target} ({len(pieces)} tensors, {config.dtype}, "
           f"{size / 2**20:.1f} MiB, {time.perf_counter() - started:.1f} s)")
     return config.target

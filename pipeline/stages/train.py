@@ -9,13 +9,18 @@ launch is alive: a second launch into it refuses, naming the live one.
 from __future__ import annotations
 
 import argparse
+import collections
 import fcntl
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
 import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 from pipeline.errors import PipelineError
@@ -24,8 +29,11 @@ from pipeline.run import targets
 from pipeline.run.rundir import RunDir
 from pipeline.titan import compat
 from pipeline.run.spec import RunSpec
-from pipeline.training import torchrun
+from pipeline.training import memory, torchrun
 from pipeline.training.resolve import RunRequest, resolve
+
+# When the launcher started torchrun (time.time()), for the ranks' start-up timings (timings.json).
+LAUNCHED_AT = "PIPELINE_LAUNCHED_AT"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -90,7 +98,7 @@ def run(args: argparse.Namespace):
     spec = resolve(request(args))
     target = targets.TARGETS[spec.target]
     command = torchrun.command(spec)
-    env_prefix = " ".join(f"{k}={v}" for k, v in target.launch_vars(dict(os.environ)).items())
+    env_prefix = " ".join(f"{k}={v}" for k, v in target.launch_vars(dict(os.environ), host_need(spec)).items())
     if args.dry_run:
         print(memory_line(spec))
         print(json.dumps(spec.to_dict(), indent=2))
@@ -112,10 +120,15 @@ def launch(spec: RunSpec, fresh: bool = False) -> RunSpec:
                     shutil.rmtree(item) if item.is_dir() and not item.is_symlink() else item.unlink()
         spec.save()
         print(memory_line(spec), flush=True)
+        _warn_if_short_of_memory(spec)
+        run_dir.failure.unlink(missing_ok=True)
         print(f"launching {spec.path} on {spec.target}: {shlex.join(command)}", flush=True)
-        result = subprocess.run(command, env={**target.launch_env(dict(os.environ)), "PYTHONUNBUFFERED": "1"})
-    if result.returncode != 0:
-        raise PipelineError(_failure(result.returncode, run_dir), "read the first error in the rank logs above.")
+        oom_kills = _oom_kills()
+        env = {**target.launch_env(dict(os.environ), host_need(spec)), "PYTHONUNBUFFERED": "1",
+               LAUNCHED_AT: repr(time.time())}
+        code, stderr_tail = _run_teeing_stderr(command, env)
+    if code != 0:
+        raise PipelineError(*_failure(code, stderr_tail, run_dir, _oom_kills() - oom_kills))
     return spec
 
 
@@ -126,8 +139,107 @@ def memory_line(spec) -> str:
     return f"memory per rank (estimate): {m['total_gib']:.2f} GiB{against}: {parts} GiB; {m['notes'][0]}"
 
 
-def _failure(code: int, run: RunDir) -> str:
+def host_need(spec) -> int:
+    """Bytes this launch's ranks need together from this host's memory (CPU: the estimate plus each
+    process's own); what decides the glibc thresholds (pipeline.run.targets)."""
+    per_rank = spec.memory["total_gib"] + (memory.CPU_PROCESS_GIB if spec.target == "cpu" else 0.0)
+    return int(per_rank * memory.GIB * spec.settings.nproc_per_node)
+
+
+def _warn_if_short_of_memory(spec) -> None:
+    """On CPU the ranks share this machine's memory: say so before a run that cannot fit."""
+    available = _mem_available_gib()
+    wanted = host_need(spec) / memory.GIB
+    if spec.target == "cpu" and available is not None and wanted > available:
+        print(f"warning: {spec.settings.nproc_per_node} rank(s) need about {wanted:.1f} GiB (the estimate above plus "
+              f"{memory.CPU_PROCESS_GIB} GiB for each process) and {available:.1f} GiB is available; the kernel may "
+              "kill a rank (NPROC=1 needs less in all).", file=sys.stderr, flush=True)
+
+
+def _mem_available_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return None
+
+
+def _run_teeing_stderr(command: list[str], env: dict) -> tuple[int, list[str]]:
+    """Run torchrun with its stderr passed through live and its last lines kept: torchrun's error
+    summary there is the only place that says how a rank ended (exit status or signal)."""
+    proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1)
+    tail: collections.deque[str] = collections.deque(maxlen=400)
+
+    def copy() -> None:
+        for line in proc.stderr:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+            tail.append(line)
+
+    reader = threading.Thread(target=copy, daemon=True)
+    reader.start()
+    try:
+        code = proc.wait()
+    except KeyboardInterrupt:
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait()
+    reader.join(timeout=10)
+    return code, list(tail)
+
+
+def _oom_kills() -> int:
+    """The kernel's count of out-of-memory kills since boot (-1 where /proc/vmstat lacks it)."""
+    try:
+        text = Path("/proc/vmstat").read_text()
+    except OSError:
+        return -1
+    match = re.search(r"^oom_kill (\d+)$", text, re.MULTILINE)
+    return int(match.group(1)) if match else -1
+
+
+def root_cause(stderr_lines: list[str]) -> tuple[int, int] | None:
+    """(rank, exit code; negative = killed by that signal) of torchrun's first observed failure."""
+    text = "".join(stderr_lines)
+    at = text.rfind("Root Cause")
+    rank = re.search(r"^\s*rank\s*:\s*(\d+)", text[at:], re.MULTILINE) if at >= 0 else None
+    code = re.search(r"^\s*exitcode\s*:\s*(-?\d+)", text[at:], re.MULTILINE) if at >= 0 else None
+    return (int(rank.group(1)), int(code.group(1))) if rank and code else None
+
+
+def _failure(code: int, stderr_lines: list[str], run: RunDir, oom_kills: int) -> tuple[str, str]:
+    recorded = run.recorded_failure()
+    if recorded:  # a rank stopped on a one-line error of its own
+        return recorded["problem"], recorded["fix"]
     if code < 0:
-        name = signal.Signals(-code).name
-        return f"torchrun was killed by {name}; logs are in {run.logs}."
-    return f"training exited with status {code}; logs are in {run.logs}."
+        return f"torchrun was killed by {signal.Signals(-code).name}; logs are in {run.logs}.", \
+            "rerun the same command to resume from the last checkpoint."
+    cause = root_cause(stderr_lines)
+    if cause is None or cause[1] >= 0:
+        which = f" (rank {cause[0]}, exit status {cause[1]})" if cause else ""
+        return f"training exited with status {code}{which}; logs are in {run.logs}.", \
+            "read the first error in the rank logs above."
+    rank, signum = cause[0], -cause[1]
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    if signum != signal.SIGKILL:
+        return f"rank {rank} was killed by {name}; logs are in {run.logs}.", "read the rank's log above for what it was doing."
+    peak = _last_memory(run)
+    seen = "the kernel's out-of-memory killer ran during the run" if oom_kills > 0 else \
+        "most likely by the kernel's out-of-memory killer"
+    return (f"rank {rank} was killed by SIGKILL, {seen} (this machine: {_memory_total_gib():.0f} GiB"
+            f"{f'; peak RSS logged by rank 0: {peak:.1f} GiB' if peak else ''}); logs are in {run.logs}.",
+            "give each rank more memory: fewer ranks (NPROC=1), a smaller SEQ_LEN or local_batch_size, "
+            "activation_checkpoint = \"full\", or stop other memory users; then rerun to resume.")
+
+
+def _last_memory(run: RunDir) -> float | None:
+    records = run.metric_records()
+    return float(records[-1]["memory_gib"]) if records and "memory_gib" in records[-1] else None
+
+
+def _memory_total_gib() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30

@@ -154,21 +154,58 @@ def _run_checks(result: Verification) -> None:
         result.add("files", False, err.problem)
         return  # unsafe or inconsistent on disk: nothing is loaded from it
     result.add("files", True, f"{len(report.tensors)} tensors in {len({t.shard for t in report.tensors.values()})} shards")
-    listed = None
+    # The manifest's hashes are computed while transformers loads the model (hashlib and file
+    # reads release the GIL); the hashing also brings the shards into the page cache for the load.
+    hashing = None
     if (result.checkpoint / manifest.MANIFEST).exists() or result.run_dir is not None:
+        hashing = _Background(manifest.check, result.checkpoint)
+    model, load = _load(result)
+    listed = None
+    if hashing is not None:
         try:
-            listed = manifest.check(result.checkpoint)
+            listed = hashing.result()
             result.add("manifest", True, f"{len(listed['files'])} files match their sha256")
         except PipelineError as err:
             result.add("manifest", False, err.problem)
-    _check_load(result)
+    result.add("load", *load)
     _check_keys(result, report, ref_report)
     step = listed.get("step") if listed else None
-    _check_tensors(result, report, step)
-    _check_losses(result, step, report.tensors)
+    identical = _check_tensors(result, report, ref_report, step)
+    _check_losses(result, step, report.tensors, model, identical)
 
 
-def _check_load(result: Verification) -> None:
+class _Background:
+    """fn(*args) in a thread; result() re-raises what it raised."""
+
+    def __init__(self, fn, *args):
+        import threading
+
+        self.value, self.error = None, None
+        self.thread = threading.Thread(target=self._run, args=(fn, args), daemon=True)
+        self.thread.start()
+
+    def _run(self, fn, args) -> None:
+        try:
+            self.value = fn(*args)
+        except BaseException as err:  # noqa: BLE001 - handed to the caller
+            self.error = err
+
+    def result(self):
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def _check_load(result: Verification):
+    """The "load" check on its own; returns the loaded model (or None)."""
+    model, load = _load(result)
+    result.add("load", *load)
+    return model
+
+
+def _load(result: Verification):
+    """transformers' from_pretrained of the export, once: (the model or None, (passed, detail))."""
     import torch
     import transformers
 
@@ -177,17 +214,16 @@ def _check_load(result: Verification) -> None:
             str(result.checkpoint), dtype=torch.float32, trust_remote_code=False, output_loading_info=True)
     except Exception as err:  # transformers 5 reports a missing MoE expert as a shape error
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        result.add("load", False, f"from_pretrained raised {type(err).__name__}: {first[:300]}")
-        return
-    del model
+        return None, (False, f"from_pretrained raised {type(err).__name__}: {first[:300]}")
     result.missing_keys = sorted(info.get("missing_keys") or [])
     result.unexpected_keys = sorted(info.get("unexpected_keys") or [])
     result.mismatched_keys = sorted(str(m[0] if isinstance(m, (tuple, list)) else m) for m in info.get("mismatched_keys") or [])
     errors = [str(e) for e in info.get("error_msgs") or []]
     ok = not (result.missing_keys or result.unexpected_keys or result.mismatched_keys or errors)
-    result.add("load", ok, f"missing {len(result.missing_keys)}, unexpected {len(result.unexpected_keys)}, "
-                           f"mismatched {len(result.mismatched_keys)}, errors {len(errors)}"
-                           + (f": {(result.missing_keys + result.unexpected_keys + result.mismatched_keys + errors)[:3]}" if not ok else ""))
+    detail = (f"missing {len(result.missing_keys)}, unexpected {len(result.unexpected_keys)}, "
+              f"mismatched {len(result.mismatched_keys)}, errors {len(errors)}"
+              + (f": {(result.missing_keys + result.unexpected_keys + result.mismatched_keys + errors)[:3]}" if not ok else ""))
+    return model.eval(), (ok, detail)
 
 
 def _check_keys(result: Verification, report, ref_report) -> None:
@@ -218,40 +254,40 @@ def _declared_dtype(directory: Path) -> str:
     return {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}.get(name, name)
 
 
-def _open_all(directory: Path):
-    from safetensors.torch import safe_open
+def _check_tensors(result: Verification, report, ref_report, step: int | None) -> bool:
+    """Finite everywhere; step 0 bitwise equal to the source, later steps changed. True when every
+    tensor is bitwise the source's in the source's own dtype (then so is every loss). Tensors are
+    compared in place in the files' pages (pipeline.checkpoint.stream views), never copied."""
+    import warnings
 
-    handles = {}
-    for shard in hf_dir.shard_files(directory):
-        handle = safe_open(str(shard), framework="pt")
-        for key in handle.keys():
-            handles[key] = handle
-    return handles
-
-
-def _check_tensors(result: Verification, report, step: int | None) -> None:
     import torch
     from tqdm import tqdm
 
-    ours, theirs = _open_all(result.checkpoint), _open_all(result.reference)
+    ours, theirs = _readers(result.checkpoint), _readers(result.reference)
     nonfinite, changed, unequal, total = [], [], [], 0
     size = sum(shard.stat().st_size for shard in hf_dir.shard_files(result.checkpoint))
     bar = tqdm(total=size, unit="B", unit_scale=True, desc="comparing tensors", leave=False,
                disable=size < PROGRESS_MIN_BYTES)
-    for key in sorted(set(ours) & set(theirs)):
-        a = ours[key].get_tensor(key)
-        bar.update(a.numel() * a.element_size())
-        if a.is_floating_point() and not bool(torch.isfinite(a).all()):
-            nonfinite.append(key)
-        b = theirs[key].get_tensor(key).to(a.dtype)
-        if a.shape != b.shape:
-            continue
-        total += 1
-        same_bits = torch.equal(a.contiguous().flatten().view(torch.uint8), b.contiguous().flatten().view(torch.uint8))
-        (unequal if not same_bits else []).append(key)
-        if not same_bits:
-            changed.append(key)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch.from_numpy of a read-only map: only read here
+        for key in sorted(set(ours) & set(theirs)):
+            a = ours[key].view(key)
+            bar.update(a.numel() * a.element_size())
+            if a.is_floating_point() and not _finite(a):
+                nonfinite.append(key)
+            b = theirs[key].view(key)
+            if a.shape != b.shape:
+                continue
+            total += 1
+            if b.dtype != a.dtype:
+                b = b.to(a.dtype)
+            same_bits = torch.equal(a.reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+            if not same_bits:
+                unequal.append(key)
+                changed.append(key)
     bar.close()
+    for reader in {id(r): r for r in (*ours.values(), *theirs.values())}.values():
+        reader.close()
     result.add("finite", not nonfinite, "every tensor finite" if not nonfinite else f"NaN/Inf in {nonfinite[:5]}")
     if step == 0:
         result.add("round-trip", not unequal and total > 0,
@@ -259,6 +295,27 @@ def _check_tensors(result: Verification, report, step: int | None) -> None:
                    + (f"; differ: {unequal[:3]}" if unequal else ""))
     elif step is not None:
         result.add("changed", bool(changed), f"step-{step} export: {len(changed)}/{total} tensors differ from the source")
+    same_dtypes = {t.dtype for t in report.tensors.values()} == {t.dtype for t in ref_report.tensors.values()}
+    return total > 0 and not unequal and total == len(report.tensors) == len(ref_report.tensors) and same_dtypes
+
+
+def _readers(directory: Path) -> dict:
+    """Tensor name → a reader of the shard holding it (the directory passed hf_dir.validate)."""
+    from pipeline.checkpoint import stream
+
+    readers = {}
+    for shard in hf_dir.shard_files(directory):
+        reader = stream.SafetensorsReader(shard)
+        for key in reader.keys():
+            readers[key] = reader
+    return readers
+
+
+def _finite(tensor) -> bool:
+    """No NaN or Inf: one reduction decides unless a finite sum overflows (then element-wise)."""
+    import torch
+
+    return bool(torch.isfinite(tensor.sum(dtype=torch.float32))) or bool(torch.isfinite(tensor).all())
 
 
 def find_batch(run_dir: RunDir | None, reference: Path) -> Batch:
@@ -310,26 +367,31 @@ def expected_step1(model: str | None) -> tuple[str, float, float] | None:
     return model, float(entry["expected_step1_loss"]), float(entry.get("step1_loss_tolerance", 0.1))
 
 
-def _check_losses(result: Verification, step: int | None, tensors) -> None:
+def _check_losses(result: Verification, step: int | None, tensors, model, identical: bool) -> None:
     from pipeline.checkpoint.reference_loss import load_model, step1_loss
 
     batch = find_batch(result.run_dir, result.reference)
-    reference_loss = step1_loss(load_model(result.reference), batch.tensors)
-    export_loss = step1_loss(load_model(result.checkpoint), batch.tensors)
+    export_loss = step1_loss(model, batch.tensors) if model is not None else math.nan
+    del model
+    if identical:
+        # Bitwise the source's tensors in the source's dtype: the same model, the same loss.
+        reference_loss, origin = export_loss, "= the export's: bitwise the source's weights"
+    else:
+        reference_loss, origin = _reference_loss(result, batch, lambda: step1_loss(load_model(result.reference), batch.tensors))
     result.step1_loss = {"export": export_loss, "logged": batch.logged, "reference": reference_loss}
     spec_dtype = _training_dtype(result.run_dir)
     if batch.logged is not None:
         tol = LOGGED_LOSS_TOLERANCE.get(spec_dtype, LOGGED_LOSS_TOLERANCE["bfloat16"])
         diff = abs(reference_loss - batch.logged)
         result.add("step1-loss-source", diff <= tol,
-                   f"source (plain transformers) {reference_loss:.6f} vs logged step-1 {batch.logged:.6f} on {batch.origin}: "
-                   f"|diff| {diff:.2e} ≤ {tol:g}")
+                   f"source (plain transformers, {origin}) {reference_loss:.6f} vs logged step-1 {batch.logged:.6f} on "
+                   f"{batch.origin}: |diff| {diff:.2e} ≤ {tol:g}")
     expectation = expected_step1(model_id(result.run_dir, result.reference))
     if expectation is not None:
-        model, expected, tol = expectation
+        model_name, expected, tol = expectation
         measured = batch.logged if batch.logged is not None else reference_loss
         result.add("step1-loss-expected", abs(measured - expected) <= tol,
-                   f"{model}: step-1 loss {measured:.4f} vs expected {expected} ± {tol} (configs/models.toml)")
+                   f"{model_name}: step-1 loss {measured:.4f} vs expected {expected} ± {tol} (configs/models.toml)")
     export_dtype = next(iter({t.dtype for t in tensors.values()}))
     tol = EXPORT_LOSS_TOLERANCE["float32" if export_dtype == "F32" else "bfloat16"]
     if step == 0 or step is None:
@@ -341,6 +403,36 @@ def _check_losses(result: Verification, step: int | None, tensors) -> None:
     else:
         result.add("step1-loss-export", math.isfinite(export_loss),
                    f"step-{step} export {export_loss:.6f} on {batch.origin} (source {reference_loss:.6f}): finite")
+
+
+def _reference_loss(result: Verification, batch: Batch, compute) -> tuple[float, str]:
+    """The source's loss on the batch, computed once per run: kept in the run dir under the
+    identity of everything it depends on (source files, batch, library versions)."""
+    import hashlib
+
+    import torch
+    import transformers
+
+    if result.run_dir is None:
+        return compute(), "computed"
+    digest = hashlib.sha256()
+    for tensors in batch.tensors:
+        for name in sorted(tensors):
+            digest.update(name.encode() + tensors[name].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    files = {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(Path(result.reference).iterdir())
+             if p.is_file() and (p.suffix == ".safetensors" or p.name == "config.json")}
+    key = {"reference": str(Path(result.reference).resolve()), "files": files, "batch_sha256": digest.hexdigest(),
+           "transformers": transformers.__version__, "torch": torch.__version__}
+    cache = result.run_dir.reference_loss
+    try:
+        cached = json.loads(cache.read_text())
+        if cached.get("key") == key:
+            return float(cached["loss"]), f"computed by an earlier verify, {cache.name}"
+    except (OSError, ValueError, KeyError):
+        pass
+    loss = compute()
+    atomic_write_text(cache, json.dumps({"key": key, "loss": loss}, indent=2) + "\n")
+    return loss, "computed"
 
 
 def _training_dtype(run_dir: RunDir | None) -> str:

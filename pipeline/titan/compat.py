@@ -113,6 +113,32 @@ def _cpu_barrier() -> None:
     dist_utils.set_pg_timeouts = set_pg_timeouts
 
 
+def _cpu_attention_masks() -> None:
+    # torchtitan builds each batch's mask with torch.compile(create_block_mask), even with compile
+    # off: step 1 traces it and builds C++ with g++ (seconds of step 1; later steps re-run it) to
+    # find block sparsity. On CPU every attention layer is pipeline.models.cpu_overrides'
+    # DenseMaskAttention (FlexAttention has no CPU backward), which reads only the mask_mod. The
+    # same mask_mod in a BlockMask whose every block is "partial" is exact for any consumer
+    # (FlexAttention applies mask_mod inside partial blocks) and costs a few small tensors.
+    import torchtitan.models.common.decoder as decoder
+
+    decoder.create_attention_mask = all_partial_block_mask
+
+
+def all_partial_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128, **_):
+    """create_block_mask's result without the sparsity search: every (q, kv) block partial."""
+    import torch
+    from torch.nn.attention.flex_attention import BlockMask
+
+    q_block, kv_block = BLOCK_SIZE if isinstance(BLOCK_SIZE, tuple) else (BLOCK_SIZE, BLOCK_SIZE)
+    q_blocks, kv_blocks = -(-Q_LEN // q_block), -(-KV_LEN // kv_block)
+    heads = H or 1
+    num = torch.full((B or 1, heads, q_blocks), kv_blocks, dtype=torch.int32, device=device)
+    indices = torch.arange(kv_blocks, dtype=torch.int32, device=device).expand(B or 1, heads, q_blocks, kv_blocks)
+    return BlockMask.from_kv_blocks(num, indices.contiguous(), BLOCK_SIZE=(q_block, kv_block), mask_mod=mask_mod,
+                                    seq_lengths=(Q_LEN, KV_LEN))
+
+
 # torchtitan 0.3.0's own text datasets (torchtitan/hf_datasets/text_datasets.py DATASETS) and the
 # path each reads, named here so the launcher checks DATASET= without importing torchtitan;
 # tests/test_titan_compat.py keeps this equal to the installed registry.
@@ -222,7 +248,7 @@ def _neuron_memory_monitor() -> None:
 
 # What each target needs before torchtitan is imported (targets without an entry need nothing).
 _GLUE = {
-    "cpu": (_select_cpu_device, _cpu_memory_monitor, _gloo_sum_reductions, _cpu_barrier),
+    "cpu": (_select_cpu_device, _cpu_memory_monitor, _gloo_sum_reductions, _cpu_barrier, _cpu_attention_masks),
     "trn2": (_neuron_memory_monitor,),
 }
 
@@ -262,10 +288,13 @@ TORCHTITAN_INTERNALS = (
     Internal("torchtitan.config.configurable", "Configurable.Config.traverse", "override FQNs from the config root",
              parameter="_prefix"),
     # The checkpointer has no public hook after a save or a load (titan/trainer.py's weights file).
-    Internal("torchtitan.components.checkpoint", "CheckpointManager._save", "write model weights after each save"),
-    Internal("torchtitan.components.checkpoint", "CheckpointManager._load", "repair a missing weights file on resume"),
+    Internal("torchtitan.components.checkpoint", "CheckpointManager._save", "write the model weights after the last save"),
+    Internal("torchtitan.components.checkpoint", "CheckpointManager._should_save", "whether a step saves at all"),
+    Internal("torchtitan.components.checkpoint", "CheckpointManager._load", "mark the load (start-up timings)"),
     Internal("torchtitan.components.checkpoint", "CheckpointManager._find_load_step", "the step a resume loads"),
     Internal("torchtitan.components.checkpoint", "CheckpointManager._create_checkpoint_id", "a step's folder"),
+    # FSDP only where it shards or casts: one fp32 rank trains without it (models/native.py).
+    Internal("torchtitan.models.qwen3", "parallelize_qwen3", "no FSDP at one fp32 rank", parameter="skip_dp"),
     # A router setting outside router_topk's contract (models/nki/overrides.py).
     Internal("torchtitan.models.common.moe", "TokenChoiceTopKRouter.Config._debug_force_load_balance",
              "refuse a router the NKI kernel cannot run"),
@@ -280,6 +309,7 @@ GLUE_INTERNALS = {
                  "plain SUM reductions on gloo"),
         Internal("torchtitan.components.metrics", "build_device_memory_monitor", "CPU memory statistics"),
         Internal("torchtitan.distributed.utils", "set_pg_timeouts", "a gloo barrier without device ids"),
+        Internal("torchtitan.models.common.decoder", "create_attention_mask", "CPU masks without the compiled search"),
     ),
     "trn2": (Internal("torchtitan.components.metrics", "build_device_memory_monitor",
                       "synchronize before memory statistics"),),
@@ -389,8 +419,9 @@ def router_forces_load_balance(router_config) -> bool:
 
 
 def checkpoint_manager_base():
-    """torchtitan's CheckpointManager with two public hooks, `after_save(step)` and `after_load(step)`,
-    plus `step_folder(step)`; titan/trainer.py subclasses this instead of overriding private methods."""
+    """torchtitan's CheckpointManager with public hooks, `before_save(step, last_step)`,
+    `after_save(step, last_step)` and `after_load(step, loaded)`, plus `step_folder(step)`;
+    titan/trainer.py subclasses this instead of overriding private methods."""
     global _HOOKED
     if _HOOKED is None:
         _HOOKED = _make_hooked_checkpoint_manager()
@@ -409,9 +440,12 @@ def _make_hooked_checkpoint_manager():
             pass
 
         def _save(self, curr_step: int, last_step: bool = False) -> bool:
+            if not self._should_save(curr_step, last_step):
+                return False
+            self.before_save(curr_step, last_step)
             saved = super()._save(curr_step, last_step)
             if saved:
-                self.after_save(curr_step)
+                self.after_save(curr_step, last_step)
             return saved
 
         def _load(self, step: int = -1) -> bool:
@@ -422,7 +456,10 @@ def _make_hooked_checkpoint_manager():
         def step_folder(self, step: int) -> str:
             return self._create_checkpoint_id(step)
 
-        def after_save(self, step: int) -> None:
+        def before_save(self, step: int, last_step: bool) -> None:
+            pass
+
+        def after_save(self, step: int, last_step: bool) -> None:
             pass
 
         def after_load(self, step: int, loaded: bool) -> None:

@@ -1,5 +1,5 @@
 """torchtitan's Trainer with what this pipeline adds: metrics.jsonl, a recorded first batch,
-and a safetensors copy of the model weights in every checkpoint.
+and a safetensors copy of the model weights in a run's last checkpoint (what export reads).
 
 All are torchtitan components (Configurable subclasses), so they are built the way
 torchtitan builds its own; nothing in the training loop is rewritten.
@@ -91,10 +91,10 @@ class JsonlMetricsProcessor(MetricsProcessor):
         }
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
         if self.is_writer and self.config.jsonl_path:
+            # Written through to the page cache, not fsynced: a killed run keeps every line (the
+            # kernel has them), and a line torn by a machine crash is skipped when read back.
             with open(self.config.jsonl_path, "a") as handle:
                 handle.write(json.dumps(record) + "\n")
-                handle.flush()
-                os.fsync(handle.fileno())
             if step == 1:
                 print(f"step-1 loss: {global_avg_loss:.6f}", flush=True)
                 if TIMINGS:
@@ -102,49 +102,158 @@ class JsonlMetricsProcessor(MetricsProcessor):
                         json.dumps({**TIMINGS, "step1": record["time"]}) + "\n")
 
 
+def release_free_memory() -> None:
+    """Return the C heap's free memory to the kernel (glibc malloc_trim), between phases.
+
+    The CPU target raises glibc's mmap and trim thresholds (pipeline.run.targets) so the large
+    per-step tensors (vocabulary logits) are reused instead of re-faulted every step, which makes
+    freed memory stay with the process. That is what the steps want; around the one-off phases
+    (loading a checkpoint, saving one) it would add their buffers to the steps' on the peak."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: its allocator keeps no such pool
+        pass
+
+
 class WeightsCheckpointManager(compat.checkpoint_manager_base()):
-    """torchtitan's DCP checkpointer that also writes step-N/model_weights.safetensors (see
-    pipeline.run.rundir.WEIGHTS): renamed into place after DCP's .metadata, so a step with it is a
-    complete checkpoint; a kill between the two is repaired when that step is resumed."""
+    """torchtitan's DCP checkpointer that also writes the model weights as safetensors
+    (step-N/model_weights.safetensors, pipeline.run.rundir.WEIGHTS) at a run's last step, the one
+    export reads: renamed into place after DCP's .metadata. Other steps are DCP only (the copy
+    costs a third of a DCP save with AdamW state); a run cut short between DCP and the weights
+    file gets it when resumed (PipelineTrainer.train)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(compat.checkpoint_manager_base().Config):
         pass
 
-    def after_save(self, step: int) -> None:
-        self._save_weights(step)
+    def before_save(self, step: int, last_step: bool) -> None:
+        release_free_memory()  # what the steps keep for themselves is not needed while saving
+        self._save_started = time.perf_counter()
+
+    def after_save(self, step: int, last_step: bool) -> None:
+        dcp_s = time.perf_counter() - self._save_started
+        weights_s = None
+        if last_step:
+            started = time.perf_counter()
+            self.save_weights(step)
+            weights_s = time.perf_counter() - started
+        self._record_save(step, dcp_s, weights_s)
+        release_free_memory()  # nor is what the save allocated, by the steps that follow
+
+    def _record_save(self, step: int, dcp_s: float, weights_s: float | None) -> None:
+        """One line per save in saves.jsonl (rank 0): what the weights copy costs beside DCP."""
+        if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+            return
+        directory = Path(self.step_folder(step))
+        weights = directory / rundir.WEIGHTS
+        sizes = {p.name: p.stat().st_size for p in directory.iterdir() if p.is_file()}
+        record = {"step": step, "dcp_s": dcp_s, "weights_s": weights_s,
+                  "dcp_bytes": sum(v for k, v in sizes.items() if k != rundir.WEIGHTS and not k.startswith(".model")),
+                  "weights_bytes": weights.stat().st_size if weights.exists() else 0}
+        with open(RunDir(Path(self.step_folder(step)).parent.parent).saves, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
 
     def after_load(self, step: int, loaded: bool) -> None:
-        if loaded and step >= 0 and not (Path(self.step_folder(step)) / rundir.WEIGHTS).exists():
-            # Killed after DCP finished this step but before its weights file: the resumed
-            # run may never save this step again (e.g. it was the last), so write it now.
-            self._save_weights(step)
+        release_free_memory()  # the load's buffers (a whole checkpoint read and converted) are gone
         TIMINGS["loaded"] = time.time()
 
+    def has_weights(self, step: int) -> bool:
+        return (Path(self.step_folder(step)) / rundir.WEIGHTS).exists()
+
     @torch.no_grad()
-    def _save_weights(self, step: int) -> None:
+    def save_weights(self, step: int) -> None:
+        """Every rank writes its own FSDP shard of each tensor straight into the file, at the
+        offset the header gives it (a Shard(0) shard is a contiguous row range): no gathering,
+        all ranks writing at once, as DCP does. Other layouts (TP) are gathered one tensor at a
+        time and written by rank 0. Nothing holds more than one full tensor."""
         from torch.distributed.tensor import DTensor
 
-        rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
-        full = {}
+        from pipeline.checkpoint import stream
+
+        distributed = torch.distributed.is_initialized()
+        rank = torch.distributed.get_rank() if distributed else 0
         # Not torch's get_model_state_dict: it maps keys back to parameters by name and fails on the
         # keys torchtitan's state-dict hooks make (fused wqkv split into wq/wk/wv). torchtitan's own
-        # ModelWrapper gives the canonical keys; each DTensor is gathered in the same (sorted) order
-        # on every rank.
-        for key, value in sorted(self.states[MODEL].state_dict().items()):
-            if isinstance(value, DTensor):
-                value = value.full_tensor()
-            if rank0:
-                full[key] = value.detach().to("cpu", copy=True).contiguous()
-        if rank0:
-            directory = Path(self.step_folder(step))
+        # ModelWrapper gives the canonical keys, in the model's order, the same on every rank.
+        state = list(self.states[MODEL].state_dict().items())
+        aliases = [_aliases(state) if rank == 0 else None]
+        if distributed:
+            torch.distributed.broadcast_object_list(aliases, src=0)
+        aliases = aliases[0]
+        written = [(k, v) for k, v in state if k not in aliases]
+        metadata = {"format": "pt", "step": str(step), "keys": "torchtitan", "aliases": json.dumps(aliases)}
+        plan = stream.layout([stream.entry_of(k, v) for k, v in written], metadata, rundir.WEIGHTS)
+        directory = Path(self.step_folder(step))
+        tmp = directory / f".{rundir.WEIGHTS}.tmp"
+        if rank == 0:
             directory.mkdir(parents=True, exist_ok=True)
-            tmp = directory / f".{rundir.WEIGHTS}.tmp"
-            save_file(full, str(tmp), metadata={"format": "pt", "step": str(step), "keys": "torchtitan"})
+            with open(tmp, "wb") as handle:
+                handle.write(plan.header)
+                handle.truncate(plan.size)
+        if distributed:
+            torch.distributed.barrier()
+        fd = os.open(tmp, os.O_WRONLY)
+        try:
+            for key, value in written:
+                first_row = _own_rows(value)
+                if first_row is not None:  # this rank's Shard(0) rows, in place
+                    local = value.to_local()
+                    if local.numel():
+                        row_bytes = local[0].numel() * local.element_size()
+                        stream.pwrite_all(fd, stream.tensor_bytes(local), plan.offsets[key] + first_row * row_bytes, tmp)
+                    continue
+                full = value.full_tensor() if isinstance(value, DTensor) else value
+                if rank == 0:
+                    stream.pwrite_all(fd, stream.tensor_bytes(full), plan.offsets[key], tmp)
+                del full
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if distributed:
+            torch.distributed.barrier()
+        if rank == 0:
             os.replace(tmp, directory / rundir.WEIGHTS)
             logger.info(f"Saved the model weights of step {step} to {directory / rundir.WEIGHTS}")
-        if torch.distributed.is_initialized():
+        if distributed:
             torch.distributed.barrier()
+
+
+def _own_rows(value) -> int | None:
+    """The first row of this rank's shard when `value` is a DTensor split by rows over a 1-D mesh
+    of every rank (FSDP's layout), else None (gather it). torch.chunk's split, as DTensor uses."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(value, DTensor) or value.device_mesh.ndim != 1 or tuple(value.placements) != (Shard(0),):
+        return None
+    if value.device_mesh.size() != torch.distributed.get_world_size():
+        return None
+    per_rank = -(-value.shape[0] // value.device_mesh.size())
+    first = per_rank * value.device_mesh.get_local_rank()
+    expected = max(0, min(value.shape[0], first + per_rank) - first)
+    if value.to_local().shape[0] != expected:
+        raise RuntimeError(f"unexpected shard: {tuple(value.to_local().shape)} rows at {first} of {tuple(value.shape)}")
+    return first
+
+
+def _aliases(state: list[tuple[str, torch.Tensor]]) -> dict[str, str]:
+    """A tensor stored under two keys (a tied lm_head is the embedding) is written once, under its
+    first key in the model's order: later key → first key. Decided on rank 0, sent to all."""
+    from torch.distributed.tensor import DTensor
+
+    first: dict[tuple, str] = {}
+    aliases = {}
+    for key, value in state:
+        local = value.to_local() if isinstance(value, DTensor) else value
+        if not local.numel():
+            continue
+        ident = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(value.shape), value.dtype)
+        if ident in first:
+            aliases[key] = first[ident]
+        else:
+            first[ident] = key
+    return aliases
 
 
 class PipelineTrainer(Trainer):
@@ -189,6 +298,11 @@ class PipelineTrainer(Trainer):
         # so STEPS=0 would leave no checkpoint: save the loaded weights as step 0.
         if self.config.training.steps == 0 and self.step == 0:
             self.checkpointer.save(0, last_step=True)
+        elif self.step == self.config.training.steps and not self.checkpointer.has_weights(self.step) \
+                and self.step in RunDir(Path(self.config.dump_folder)).dcp_steps():
+            # Resumed at the last step, whose save was cut short after DCP: nothing trains, so
+            # nothing saves again; write the weights export reads now.
+            self.checkpointer.save_weights(self.step)
         return result
 
     def _truncate_metrics_after_checkpoint(self) -> None:

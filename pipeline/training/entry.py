@@ -1,18 +1,23 @@
 """What each torchrun rank runs: `python -m pipeline.training.entry <run dir>/run.json`.
 
-Applies the torchtitan glue for the target, turns the RunSpec into a torchtitan
-Trainer.Config (the one place settings map onto torchtitan's fields; TITAN_ARGS then apply
-over it through torchtitan's own parser), and runs torchtitan's trainer as `torchtitan.train` does.
+Applies the torchtitan glue for the target, checks the run's override.imports against the model
+(here, where torchtitan is imported anyway, so the launcher never imports it), turns the RunSpec
+into a torchtitan Trainer.Config (the one place settings map onto torchtitan's fields; TITAN_ARGS
+then apply over it through torchtitan's own parser), and runs torchtitan's trainer as
+`torchtitan.train` does. A PipelineError stops the rank with its one line recorded in the run
+dir (failure.json), which the launcher reports as its own.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
 
 ENTERED = time.time()
 
+from pipeline.errors import PipelineError
 from pipeline.run import rundir
 from pipeline.run.spec import RunSpec
 from pipeline.titan import compat
@@ -103,7 +108,6 @@ def _die_with_torchrun() -> None:
     if not sys.platform.startswith("linux"):
         return
     import ctypes
-    import os
     import signal
 
     parent = os.getppid()
@@ -112,10 +116,68 @@ def _die_with_torchrun() -> None:
         os._exit(1)
 
 
+def record_memory(spec: RunSpec, rank: int) -> None:
+    """Every rank's peak memory (the process's peak RSS on CPU; the allocator's peak elsewhere)
+    beside the run's estimate (pipeline.training.memory, run.json's `memory`; on CPU plus the
+    process itself), in memory.json (rank 0 writes it)."""
+    import json
+    import resource
+
+    import torch
+
+    from pipeline.fsutil import atomic_write_text
+    from pipeline.training import memory
+
+    if spec.target == "cpu":
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    else:
+        try:  # the current accelerator's allocator (CUDA; neuron where torch-neuronx registers it)
+            peak = torch.accelerator.max_memory_reserved()
+        except (RuntimeError, AttributeError, NotImplementedError):
+            peak = 0  # not reported by this device: memory.json then shows 0
+    peaks = [peak]
+    if torch.distributed.is_initialized():
+        peaks = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(peaks, peak)
+    if rank == 0 and spec.memory:
+        parts = dict(spec.memory["parts_gib"])
+        if spec.target == "cpu":
+            parts["process"] = memory.CPU_PROCESS_GIB
+        total = sum(parts.values())
+        record = {"kind": MEMORY_KIND[spec.target], "peak_gib_per_rank": [round(p / memory.GIB, 3) for p in peaks],
+                  "estimate_gib_per_rank": {**{k: round(v, 3) for k, v in parts.items()}, "total": round(total, 3)},
+                  "peak_over_estimate": round(max(peaks) / memory.GIB / total, 3)}
+        atomic_write_text(rundir.RunDir(Path(spec.run_dir)).memory, json.dumps(record, indent=2) + "\n")
+
+
+def check_overrides(spec: RunSpec, rank: int) -> None:
+    """Every override.imports entry against the model's config tree, before anything is built
+    (pipeline.models.override_check); rank 0 prints the summary and the warnings."""
+    if not spec.nki:  # the nki path's plan; the CPU overrides alone match what they should by construction
+        return
+    from pipeline.models import override_check
+
+    report = override_check.check_spec(spec)
+    if rank == 0:
+        for warning in report.warnings:
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
+        print(report.summary(), flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     _die_with_torchrun()
     spec = RunSpec.load(argv[0])
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        run(spec, rank)
+    except PipelineError as err:
+        rundir.RunDir(Path(spec.run_dir)).record_failure(rank, err.problem, err.fix or "")
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def run(spec: RunSpec, rank: int) -> None:
     compat.apply(spec.target)
 
     import torch
@@ -124,13 +186,17 @@ def main(argv: list[str] | None = None) -> None:
     init_logger()
     from pipeline.titan.trainer import TIMINGS
 
-    TIMINGS.update(entry=ENTERED, imported=time.time())
+    TIMINGS.update(entry=ENTERED, imported=time.time(), threads=torch.get_num_threads())
+    if os.environ.get("PIPELINE_LAUNCHED_AT"):  # set by the train stage as it starts torchrun
+        TIMINGS["launched"] = float(os.environ["PIPELINE_LAUNCHED_AT"])
+    check_overrides(spec, rank)
     trainer = build_config(spec).build()
     TIMINGS["built"] = time.time()
     try:
         trainer.train()
     finally:
         trainer.close()
+    record_memory(spec, rank)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     logger.info("Run finished")

@@ -27,6 +27,10 @@ TRN2_PHYSICAL_CORES_PER_CHIP = 8
 # graphs live in the same HBM and are not modelled here.
 HEADROOM = 0.9
 BYTES = {"float32": 4, "bfloat16": 2}
+# On CPU each rank is also a process holding torch, torchtitan, the tokenizer and the data pipeline:
+# measured RSS of a rank after its imports, before the model exists (issue 14). Added on top of the
+# estimate where ranks share the host's memory (the launcher's check, memory.json).
+CPU_PROCESS_GIB = 0.8
 
 
 def capacity_per_rank(target: str, lnc: int) -> int | None:

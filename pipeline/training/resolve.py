@@ -71,7 +71,7 @@ def resolve(request: RunRequest) -> RunSpec:
     check_parallelism(spec)
     check_device_choices(spec)
     if path.prepare is not None:
-        path.prepare(spec)  # the path's own rules (kernel constraints) first: they name the exact fix
+        path.prepare(spec, request.dry_run)  # the path's own rules (kernel constraints) first: they name the fix
     spec.memory = memory.check(spec.arch, spec.settings, spec.path, spec.target).to_dict()
     if spec.titan_args:
         check_titan_args(spec)

@@ -4,9 +4,11 @@ Runs in the launching process, for dry runs too: picks the overrides the config 
 those the model cannot take (MoE overrides on a dense model), checks each kernel's documented
 constraints for the kernel that will actually run (NKI on trn2, the PyTorch reference elsewhere,
 which has none), applies the constraint policy per override (`error` refuses the run in one line,
-`fallback` sends that override to its reference and says so once, here), and matches every
-attached override against the model's module names. Prints which overrides attach and which
-were skipped, and why.
+`fallback` sends that override to its reference and says so once, here). Prints which overrides
+attach and which were skipped, and why. All without torch: matching every attached override
+against the model's module names needs torchtitan, so each rank does it before building
+(pipeline.training.entry), and a dry run, which starts no rank, does it here in a child process
+(pipeline.models.override_check).
 """
 
 from __future__ import annotations
@@ -56,20 +58,20 @@ def plan(spec: RunSpec) -> tuple[list[tuple[NkiOverride, bool, list[str]]], dict
     return attached, skipped
 
 
-def prepare(spec: RunSpec) -> None:
+def prepare(spec: RunSpec, dry_run: bool = False) -> None:
     settings = spec.settings
     attached, skipped = plan(spec)
     for ov, _, problems in attached:
         if problems:  # fallback policy: once per override, at start-up
             _warn(f"{ov.function} runs its PyTorch reference instead of {ov.kernel}: {'; '.join(problems)}.")
     spec.overrides = list(spec.overrides) + [[ov.target, {"use_nki": use_nki}] for ov, use_nki, _ in attached]
-    report = match(spec)
-    for warning in report.warnings:
+    report = match_in_child(spec) if dry_run else None
+    for warning in report.warnings if report else ():
         _warn(warning)
     runs = {ov.function: (ov.kernel if use_nki else "reference") for ov, use_nki, _ in attached}
     lines = ["nki overrides attached: " + (", ".join(f"{name} ({kernel})" for name, kernel in runs.items()) or "none")]
     lines += [f"nki override skipped: {name}: {reason}" for name, reason in skipped.items()]
-    print("\n".join(lines + [report.summary()]), flush=True)
+    print("\n".join(lines + ([report.summary()] if report else [])), flush=True)
     spec.nki = {
         "backend": "nki" if spec.target in NKI_TARGETS else "reference", "lnc": settings.lnc,
         "policy": settings.constraint_policy,
@@ -77,12 +79,12 @@ def prepare(spec: RunSpec) -> None:
                                     "runs": runs[ov.function], "violations": problems}
                       for ov, _, problems in attached},
         "skipped": skipped,
-        "matched": {m.name: len(m.fqns) for m in report.matches}, "summary": report.summary(),
     }
+    if report:
+        spec.nki |= {"matched": {m.name: len(m.fqns) for m in report.matches}, "summary": report.summary()}
 
 
-def match(spec: RunSpec):
-    from pipeline.models import attention_backends, native, override_check
+def match_in_child(spec: RunSpec):
+    from pipeline.models import override_check
 
-    backend = attention_backends.titan_backend(spec.settings.attention_backend)
-    return override_check.check(spec.overrides, native.model_config(spec.arch, backend))
+    return override_check.check_in_child(spec)
