@@ -120,9 +120,10 @@ def _dry_run(model, path, tmp_path, monkeypatch, config_text=None):
     if config_text:
         config = tmp_path / "user.toml"
         config.write_text(config_text)
-    args = argparse.Namespace(model=model, path=path, target="trn2", steps=None, seq_len=None, nproc_per_node=None,
-                              config=config, revision=None, titan_args="", dry_run=True, fresh=False)
-    return train.run(args)
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    argv = ["--model", model, "--path", path, "--target", "trn2", "--dry-run"] + (["--config", str(config)] if config else [])
+    return train.run(parser.parse_args(argv))
 
 
 def test_trn2_dry_run_follows_the_choice(tmp_path, monkeypatch):

@@ -64,12 +64,13 @@ def test_hf_run_leaves_the_checkpoint_alone(runs, checkpoints):
     assert not (source_dir(checkpoints, "tiny") / "metrics.jsonl").exists()
 
 
-def test_trn2_dry_run_has_a_tp_plan_without_sequence_parallel(tmp_path):
+def test_trn2_dry_run_has_the_tp_plan_with_sequence_parallel_eager(tmp_path):
     result = run_pipeline("train", "--model", "Qwen/Qwen3-4B-Instruct-2507", "--path", "hf", "--target", "trn2",
                           "--dry-run", root=tmp_path)
     spec = dry_run_spec(result.stdout)
     settings = spec["settings"]
-    assert (settings["nproc_per_node"], settings["tensor_parallel"], settings["sequence_parallel"]) == (64, 4, False)
+    assert (settings["nproc_per_node"], settings["tensor_parallel"], settings["sequence_parallel"]) == (64, 4, True)
+    assert settings["compile"] is False  # trn2.toml [paths.hf]: compiled, its TP plan trains wrong (make rehearse)
     assert spec["arch"]["head_dim"] == 128 and spec["arch"]["rope_theta"] == 5e6
 
 

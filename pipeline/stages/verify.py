@@ -266,7 +266,7 @@ def _check_tensors(result: Verification, report, ref_report, step: int | None) -
     ours, theirs = _readers(result.checkpoint), _readers(result.reference)
     nonfinite, changed, unequal, total = [], [], [], 0
     size = sum(shard.stat().st_size for shard in hf_dir.shard_files(result.checkpoint))
-    bar = tqdm(total=size, unit="B", unit_scale=True, desc="comparing tensors", leave=False,
+    bar = tqdm(total=size, unit="B", unit_scale=True, desc="comparing tensors",
                disable=size < PROGRESS_MIN_BYTES)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # torch.from_numpy of a read-only map: only read here
