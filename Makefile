@@ -78,7 +78,7 @@ TRAIN_DEPS := $(if $(call on,DRY_RUN),,download data)
 EMBEDDED_MODELS := tiny tiny-moe
 
 .PHONY: help setup python-check download data train-hf train-native train-nki export verify-checkpoint \
-        verify-kernels report image doctor launch-slurm launch-eks rehearse pipeline test bench clean distclean
+        verify-kernels report image doctor launch-slurm launch-eks rehearse pipeline test test-fast bench clean distclean
 
 help: ## list the targets and variables
 	@echo "targets:"
@@ -154,8 +154,11 @@ pipeline: setup ## the whole pipeline on the embedded defaults (tiny and tiny-mo
 	  $(MAKE) --no-print-directory report MODEL=$$m; \
 	done
 
-test: setup ## the test suite (CPU only)
+test: setup ## the whole test suite, as CI runs it (CPU only; trains tiny models, rehearses the trn2 plan)
 	$(PY) -m pytest -q tests
+
+test-fast: setup ## the fast tier: everything that does not train or build images (about a minute)
+	$(PY) -m pytest -q -m "not slow" tests
 
 bench: setup ## measure overhead, time to first step, scaling, export/verify, memory → bench/results.json
 	BENCH_REPEATS=$(BENCH_REPEATS) BENCH_ONLY=$(BENCH_ONLY) $(PY) bench/run.py

@@ -130,6 +130,13 @@ def checkpoints(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(scope="module")
+def tiny_root(checkpoints, tmp_path_factory) -> Path:
+    """A checkpoints root per test module holding the session's embedded tiny and its data (linked: the
+    model is made once per session; each module's runs stay its own)."""
+    return copy_model(checkpoints, tmp_path_factory.mktemp("tiny-checkpoints"), "tiny", link=True)
+
+
 @pytest.fixture(scope="session")
 def export_runs(checkpoints, tmp_path_factory) -> Path:
     """A checkpoints root of its own (the shared one's source/ and data/ linked in) with, per model,
@@ -163,3 +170,19 @@ def dry_run_spec(stdout: str) -> dict:
     (the nki plan and the memory estimate are printed before it)."""
     start, end = stdout.index("\n{\n") + 1 if not stdout.startswith("{\n") else 0, stdout.index("\nlaunch command:")
     return json.loads(stdout[start:end])
+
+
+# ---- tiers: `make test-fast` runs what is not `slow` (≤ 90 s on 2 cores); `make test` runs everything ----
+# A test is slow when it trains, makes the embedded models or builds images: it asks for one of these
+# fixtures, or its module or function is marked `slow` itself.
+SLOW_FIXTURES = {"checkpoints", "tiny_root", "export_runs"}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: trains, makes the embedded models or builds images (full tier only)")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

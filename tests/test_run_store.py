@@ -18,7 +18,6 @@ from pipeline.run import store
 from tiny_checkpoint import ok, one_error_line, pipeline_cli
 from conftest import dry_run_spec
 
-pytest_plugins = ["tiny_checkpoint"]
 
 REPO_ID = "someorg/tiny"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

@@ -14,7 +14,6 @@ from pipeline.errors import PipelineError
 from pipeline.titan import compat
 from tiny_checkpoint import REPO, ok, one_error_line, pipeline_cli
 
-pytest_plugins = ["tiny_checkpoint"]
 
 
 @pytest.fixture(scope="module")

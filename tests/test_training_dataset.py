@@ -14,7 +14,6 @@ from pipeline.titan import compat
 from pipeline.training import dataset
 from tiny_checkpoint import ok, one_error_line, pipeline_cli
 
-pytest_plugins = ["tiny_checkpoint"]
 
 MARKER = "Zebras quietly audit the lighthouse ledger every Thursday"
 

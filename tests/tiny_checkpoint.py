@@ -1,6 +1,6 @@
-"""Shared by the test files that train: one embedded `tiny` (downloaded = made, with its data) per
-session, and `python -m pipeline` run as a user runs it. Test files load it with
-`pytest_plugins = ["tiny_checkpoint"]`. (PYTEST_DONT_REWRITE: its asserts carry their own messages.)"""
+"""Helpers for tests that run the CLI and need a small checkpoint made in seconds (the session's
+embedded models are conftest's `checkpoints` / `tiny_root` fixtures). (PYTEST_DONT_REWRITE: its
+asserts carry their own messages.)"""
 
 from __future__ import annotations
 
@@ -55,12 +55,3 @@ def small_random_checkpoint(directory: Path) -> Path:
     for name in TOKENIZER_FILES:
         shutil.copy2(tokenizer_dir() / name, Path(directory) / name)
     return Path(directory)
-
-
-@pytest.fixture(scope="session")
-def tiny_root(tmp_path_factory) -> Path:
-    """A checkpoints root holding the embedded tiny and its data (data/train.jsonl)."""
-    root = tmp_path_factory.mktemp("tiny-checkpoints")
-    ok(pipeline_cli("download", "--model", "tiny", root=root))
-    ok(pipeline_cli("data", "--model", "tiny", root=root))
-    return root

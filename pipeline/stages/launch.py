@@ -104,9 +104,13 @@ def node_command(spec: RunSpec, python: str, run_json: str) -> str:
 
 
 def _env_lines(plan_: LaunchPlan) -> dict:
+    from pipeline.stages.train import host_need
+
     target = plan_.spec.target
     cache = {targets.NEFF_CACHE_ENV: plan_.compile_cache} if target == "trn2" else {}
-    return {**targets.TARGETS[target].env, **LAUNCH_ENV[target], **cache,
+    # The target's run-size-dependent variables as `train` sets them (the nodes' memory assumed this host's).
+    sized = targets.TARGETS[target].launch_vars({}, host_need(plan_.spec))
+    return {**sized, **LAUNCH_ENV[target], **cache,
             "PIPELINE_CHECKPOINTS": plan_.cluster_checkpoints, "PYTHONUNBUFFERED": "1"}
 
 

@@ -24,8 +24,10 @@ loss 8.33933, grad norm 3.6136, both as the plain run's to the printed digits).
   lost or doubled, attention across sequence shards) changes a layer's output by O(1), not by
   rounding; the hf path's logits read as the wrong vocab shard failed outright.
 - GRAD_NORM_TOLERANCE, relative, per model kind: the step-1 gradient norm checks the backward (norm
-  gradients summed over tp under SP, FSDP's fp32 reduce-scatter). Dense: a root-sum-square of
-  bf16-computed gradients, a few 2^-8: 2 % (measured 0.2-0.4 %). MoE: bf16 router logits flip the
+  gradients summed over tp under SP, FSDP's fp32 reduce-scatter). Dense: 5 %. transformers' Qwen3
+  in bf16 is itself 3.2 % off its float32 norm on tiny with no parallelism at all (plain 2-rank run:
+  0.57488 vs 0.59403; native 0.7 %), the rehearsal's hf run is within 0.5 % of that bf16 plain run,
+  and in float32 the same TP 2 + SP + SAC plan reproduces the plain norm to 3e-6 relative. MoE: bf16 router logits flip the
   top-k choice of near-tied tokens, and each flip moves whole expert gradients; the plain run in bf16
   (no TP) is 7.8 % (native) and 10.3 % (hf) off its float32 norm on tiny-moe, and the rehearsals
   are within 0.15 % of those bf16 plain runs, so 15 %.
@@ -55,7 +57,7 @@ from pipeline.training.rehearsal import Check
 from pipeline.training.resolve import RunRequest, resolve
 
 LOSS_TOLERANCE = 2e-2  # |rehearsed − plain| step-1 loss (bf16 plan vs fp32 run); see the module docstring
-GRAD_NORM_TOLERANCE = {"dense": 2e-2, "moe": 0.15}  # relative, step-1 gradient norm; see the module docstring
+GRAD_NORM_TOLERANCE = {"dense": 5e-2, "moe": 0.15}  # relative, step-1 gradient norm; see the module docstring
 # The two-node runs are the plain CPU run's world (2 ranks, fp32) split over two launches: same numbers.
 NODES_LOSS_TOLERANCE = 1e-5
 EXPORT_DTYPE = "float32"  # a 2-step bf16 plan at trn2's lr moves weights below bf16's resolution
