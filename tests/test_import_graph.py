@@ -138,6 +138,7 @@ def test_no_module_imports_a_layer_above_its_own():
 NEURON_ONLY = {"pipeline.models.nki.neuron_kernels": "No module named 'nki'"}
 
 
+@pytest.mark.slow  # one interpreter per module: ~45 s
 def test_every_module_imports_in_a_fresh_interpreter():
     """Each module alone, in its own interpreter: no module works only when something else was imported first."""
     failures = []

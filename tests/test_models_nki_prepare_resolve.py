@@ -7,6 +7,9 @@ from pipeline.errors import PipelineError
 from pipeline.training.resolve import RunRequest, resolve
 from conftest import run_pipeline
 
+# Full tier: each test here runs the CLI in a fresh interpreter (seconds apiece).
+pytestmark = pytest.mark.slow
+
 NKI = "pipeline.models.nki.overrides"
 
 

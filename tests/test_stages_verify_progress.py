@@ -16,6 +16,9 @@ import pytest
 from pipeline.stages import verify
 from tiny_checkpoint import REPO, small_random_checkpoint
 
+# Full tier: each test here runs the CLI in a fresh interpreter (seconds apiece).
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def checkpoint_pair(tmp_path_factory) -> tuple[Path, Path]:

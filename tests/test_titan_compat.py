@@ -14,6 +14,9 @@ from pipeline.errors import PipelineError
 from pipeline.titan import compat
 from tiny_checkpoint import REPO, ok, one_error_line, pipeline_cli
 
+# Full tier: each test here runs the CLI in a fresh interpreter (seconds apiece).
+pytestmark = pytest.mark.slow
+
 
 
 @pytest.fixture(scope="module")

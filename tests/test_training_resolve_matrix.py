@@ -12,6 +12,9 @@ import pytest
 from conftest import REPO
 from pipeline.__main__ import main
 
+# Full tier: each test here runs the CLI in a fresh interpreter (seconds apiece).
+pytestmark = pytest.mark.slow
+
 MODELS = tomllib.loads((REPO / "configs" / "models.toml").read_text())
 PATHS = ("hf", "native", "nki")
 # (model, path) -> None: the 64-rank command; or a regex the one-line refusal must match, and why it holds.
