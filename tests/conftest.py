@@ -61,6 +61,21 @@ def copy_model(checkpoints: Path, root: Path, model: str = "tiny", link: bool = 
     return root
 
 
+def fake_trn2_host(tmp_path: Path):
+    """A doctor.Host whose /dev and /sys look like a trn2.48xlarge's: 16 Neuron devices, the driver, 16 EFA."""
+    from pipeline.stages import doctor
+
+    dev, sys_ = tmp_path / "dev", tmp_path / "sys"
+    dev.mkdir()
+    for i in range(16):
+        (dev / f"neuron{i}").touch()
+    (sys_ / "module" / "neuron").mkdir(parents=True)
+    (sys_ / "module" / "neuron" / "version").write_text("2.31.7.0\n")
+    for i in range(16):
+        (sys_ / "class" / "infiniband" / f"rdmap{i}s0" / "device").mkdir(parents=True)
+    return doctor.Host(dev=dev, sys=sys_, home=tmp_path / "home")
+
+
 # ---- export and verify: runs with checkpoints (conftest's export_runs), edited copies of them ----
 
 EXPORT_MODELS = ("tiny", "tiny-moe")

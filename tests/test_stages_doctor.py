@@ -8,19 +8,7 @@ from pathlib import Path
 
 from pipeline.errors import PipelineError
 from pipeline.stages import doctor
-from conftest import REPO, run_pipeline
-
-
-def _fake_trn2(tmp_path: Path) -> doctor.Host:
-    dev, sys_ = tmp_path / "dev", tmp_path / "sys"
-    dev.mkdir()
-    for i in range(16):
-        (dev / f"neuron{i}").touch()
-    (sys_ / "module" / "neuron").mkdir(parents=True)
-    (sys_ / "module" / "neuron" / "version").write_text("2.25.4.0\n")
-    for i in range(16):
-        (sys_ / "class" / "infiniband" / f"rdmap{i}s0" / "device").mkdir(parents=True)
-    return doctor.Host(dev=dev, sys=sys_, home=tmp_path / "home")
+from conftest import REPO, run_pipeline, fake_trn2_host
 
 
 def _row(rows, name):
@@ -29,9 +17,9 @@ def _row(rows, name):
 
 def test_fake_trn2_host_is_recognised(tmp_path, monkeypatch):
     monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG", raising=False)
-    rows = doctor.checks("trn2", REPO / "requirements-dev.lock", host=_fake_trn2(tmp_path))
+    rows = doctor.checks("trn2", REPO / "requirements-dev.lock", host=fake_trn2_host(tmp_path))
     assert _row(rows, "Neuron devices").found == "16" and _row(rows, "Neuron devices").status == "ok"
-    assert _row(rows, "Neuron driver").found == "2.25.4.0"
+    assert _row(rows, "Neuron driver").found == "2.31.7.0"
     assert _row(rows, "EFA").found.startswith("16 ")
 
 

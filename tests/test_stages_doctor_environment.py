@@ -15,21 +15,9 @@ from types import SimpleNamespace
 import docker
 import pytest
 
-from conftest import REPO
+from conftest import REPO, fake_trn2_host
 from pipeline.stages import doctor
 from pipeline.titan import compat
-
-
-def _trn2_host(tmp_path: Path) -> doctor.Host:
-    dev, sys_ = tmp_path / "dev", tmp_path / "sys"
-    dev.mkdir()
-    for i in range(16):
-        (dev / f"neuron{i}").touch()
-    (sys_ / "module" / "neuron").mkdir(parents=True)
-    (sys_ / "module" / "neuron" / "version").write_text("2.31.7.0\n")
-    for i in range(16):
-        (sys_ / "class" / "infiniband" / f"rdmap{i}s0" / "device").mkdir(parents=True)
-    return doctor.Host(dev=dev, sys=sys_, home=tmp_path / "home")
 
 
 def _image_record(tmp_path: Path, lock_names=("torch", "transformers", "safetensors")) -> tuple[Path, Path]:
@@ -70,7 +58,7 @@ def trn2_host(tmp_path, monkeypatch):
     monkeypatch.setenv("PIPELINE_CHECKPOINTS", str(tmp_path / "ck"))
     monkeypatch.setattr(doctor.shutil, "disk_usage", lambda p: SimpleNamespace(free=500 * 2**30))
     monkeypatch.setattr(doctor, "check_docker", lambda needed=False: doctor.Check("Docker engine", "", "24.0", "ok"))
-    return _trn2_host(tmp_path)
+    return fake_trn2_host(tmp_path)
 
 
 def _torchneuron_stand_in(tmp_path, monkeypatch):
