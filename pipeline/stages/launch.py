@@ -21,6 +21,7 @@ from pipeline.run import store, targets
 from pipeline.run.image import default_tag
 from pipeline.run.spec import RunSpec
 from pipeline.training import torchrun
+from pipeline.training.memory import host_need
 from pipeline.training.resolve import RunRequest, resolve
 
 # Libfabric over EFA with GPU/Neuron-direct RDMA; fork-safe because torchrun forks ranks.
@@ -104,8 +105,6 @@ def node_command(spec: RunSpec, python: str, run_json: str) -> str:
 
 
 def _env_lines(plan_: LaunchPlan) -> dict:
-    from pipeline.stages.train import host_need
-
     target = plan_.spec.target
     cache = {targets.NEFF_CACHE_ENV: plan_.compile_cache} if target == "trn2" else {}
     # The target's run-size-dependent variables as `train` sets them (the nodes' memory assumed this host's).

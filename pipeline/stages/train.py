@@ -98,7 +98,7 @@ def run(args: argparse.Namespace):
     spec = resolve(request(args))
     target = targets.TARGETS[spec.target]
     command = torchrun.command(spec)
-    env_prefix = " ".join(f"{k}={v}" for k, v in target.launch_vars(dict(os.environ), host_need(spec)).items())
+    env_prefix = " ".join(f"{k}={v}" for k, v in target.launch_vars(dict(os.environ), memory.host_need(spec)).items())
     if args.dry_run:
         print(memory_line(spec))
         print(json.dumps(spec.to_dict(), indent=2))
@@ -124,7 +124,7 @@ def launch(spec: RunSpec, fresh: bool = False) -> RunSpec:
         run_dir.failure.unlink(missing_ok=True)
         print(f"launching {spec.path} on {spec.target}: {shlex.join(command)}", flush=True)
         oom_kills = _oom_kills()
-        env = {**target.launch_env(dict(os.environ), host_need(spec)), "PYTHONUNBUFFERED": "1",
+        env = {**target.launch_env(dict(os.environ), memory.host_need(spec)), "PYTHONUNBUFFERED": "1",
                LAUNCHED_AT: repr(time.time())}
         code, stderr_tail = _run_teeing_stderr(command, env)
     if code != 0:
@@ -139,17 +139,10 @@ def memory_line(spec) -> str:
     return f"memory per rank (estimate): {m['total_gib']:.2f} GiB{against}: {parts} GiB; {m['notes'][0]}"
 
 
-def host_need(spec) -> int:
-    """Bytes this launch's ranks need together from this host's memory (CPU: the estimate plus each
-    process's own); what decides the glibc thresholds (pipeline.run.targets)."""
-    per_rank = spec.memory["total_gib"] + (memory.CPU_PROCESS_GIB if spec.target == "cpu" else 0.0)
-    return int(per_rank * memory.GIB * spec.settings.nproc_per_node)
-
-
 def _warn_if_short_of_memory(spec) -> None:
     """On CPU the ranks share this machine's memory: say so before a run that cannot fit."""
     available = _mem_available_gib()
-    wanted = host_need(spec) / memory.GIB
+    wanted = memory.host_need(spec) / memory.GIB
     if spec.target == "cpu" and available is not None and wanted > available:
         print(f"warning: {spec.settings.nproc_per_node} rank(s) need about {wanted:.1f} GiB (the estimate above plus "
               f"{memory.CPU_PROCESS_GIB} GiB for each process) and {available:.1f} GiB is available; the kernel may "

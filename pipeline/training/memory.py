@@ -162,3 +162,10 @@ def check(arch: Qwen3Arch, settings: TrainSettings, path: str, target: str) -> M
             f"{other_path}raise tensor_parallel (within a chip) or the number of nodes, lower SEQ_LEN or "
             'local_batch_size, or set activation_checkpoint = "full".')
     return result
+
+
+def host_need(spec) -> int:
+    """Bytes this launch's ranks need together from this host's memory (CPU: the estimate plus each
+    process's own); what decides the glibc thresholds (pipeline.run.targets)."""
+    per_rank = spec.memory["total_gib"] + (CPU_PROCESS_GIB if spec.target == "cpu" else 0.0)
+    return int(per_rank * GIB * spec.settings.nproc_per_node)
