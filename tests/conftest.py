@@ -85,6 +85,7 @@ EXPORT_NPROC = {"tiny": "2", "tiny-moe": "1"}
 TRAINED_STEPS = 2
 
 WEIGHTS = "model_weights.safetensors"  # what the trainer writes beside each DCP step
+DCP_METADATA = ".metadata"  # DCP renames it into place last: the step's save finished
 
 
 def tensors(directory: Path) -> dict:
@@ -110,6 +111,8 @@ def fake_run(runs: Path, tmp_path: Path, model: str = "tiny", step: int = 0, sou
     (run / "run.json").write_text(json.dumps(spec))
     (run / "checkpoint" / f"step-{step}").mkdir(parents=True)
     shutil.copy(src / "checkpoint" / f"step-{step}" / WEIGHTS, weights_path(run, step))
+    # DCP's marker of a finished save, which export requires beside the weights (its content is never read)
+    shutil.copy(src / "checkpoint" / f"step-{step}" / DCP_METADATA, run / "checkpoint" / f"step-{step}" / DCP_METADATA)
     return run
 
 

@@ -129,7 +129,7 @@ def test_run_without_checkpoint_is_refused(export_runs, tmp_path):
 def test_checkpoint_without_weights_file_is_refused(export_runs, tmp_path):
     run = fake_run(export_runs, tmp_path)
     weights_path(run).unlink()
-    with pytest.raises(PipelineError, match="has no model_weights.safetensors"):
+    with pytest.raises(PipelineError, match="none holds model_weights.safetensors"):
         export(run)
 
 
