@@ -155,7 +155,7 @@ pipeline: setup ## the whole pipeline on the embedded defaults (tiny and tiny-mo
 	done
 
 test: setup ## the whole test suite, as CI runs it (CPU only; trains tiny models, rehearses the trn2 plan)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 test-fast: setup ## the fast tier: everything that does not train or build images (about a minute)
 	$(PY) -m pytest -q -m "not slow" tests
