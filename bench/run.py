@@ -224,7 +224,7 @@ class Bench:
         sys.path.insert(0, str(REPO / "bench"))
         import hub_shaped
 
-        from pipeline.stages.train import host_need
+        from pipeline.training.memory import host_need
         from pipeline.training.resolve import RunRequest, resolve
 
         self.prepare("tiny")
@@ -282,7 +282,7 @@ def launch_env(run_json: Path) -> dict:
     """What the train stage put in the environment of this run's ranks."""
     from pipeline.run import targets
     from pipeline.run.spec import RunSpec
-    from pipeline.stages.train import host_need
+    from pipeline.training.memory import host_need
 
     spec = RunSpec.load(run_json)
     return targets.TARGETS[spec.target].launch_vars({}, host_need(spec))
