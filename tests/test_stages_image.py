@@ -208,6 +208,10 @@ def test_ctrl_c_removes_the_container(engine, image, tmp_path):
     before = {c.id for c in engine.containers.list(all=True)}
     request = image_stage.ContainerRun(image=image["tag"], argv=["sh", "-c", "echo started; sleep 120"],
                                        checkpoints=tmp_path / "c", hf_cache=tmp_path / "hf", compile_cache=tmp_path / "cc")
+    # Ctrl-C at a terminal reaches Python's own SIGINT handler; a suite started in the background by
+    # a non-interactive shell (`bash .ci/run &`) inherits SIGINT ignored, and the SIGINT below would
+    # then be dropped: the handler a user has is set for this test.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
     started = time.monotonic()
@@ -220,6 +224,7 @@ def test_ctrl_c_removes_the_container(engine, image, tmp_path):
                     f"{time.monotonic() - started:.1f} s (timer fired: {timer.finished.is_set()})")
     finally:
         timer.cancel()
+        signal.signal(signal.SIGINT, previous)
     assert time.monotonic() - started < 60
     assert {c.id for c in engine.containers.list(all=True)} == before
 
