@@ -21,7 +21,7 @@ def plant_incomplete_step(run_dir: Path, step: int) -> Path:
 
 
 def test_torchtitan_and_export_ignore_an_incomplete_step(tmp_path):
-    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.checkpointer import CheckpointManager
 
     run_dir = tmp_path / "run"
     complete = run_dir / "checkpoint" / "step-5"

@@ -288,11 +288,11 @@ TORCHTITAN_INTERNALS = (
     Internal("torchtitan.config.configurable", "Configurable.Config.traverse", "override FQNs from the config root",
              parameter="_prefix"),
     # The checkpointer has no public hook after a save or a load (titan/trainer.py's weights file).
-    Internal("torchtitan.components.checkpoint", "CheckpointManager._save", "write the model weights after the last save"),
-    Internal("torchtitan.components.checkpoint", "CheckpointManager._should_save", "whether a step saves at all"),
-    Internal("torchtitan.components.checkpoint", "CheckpointManager._load", "mark the load (start-up timings)"),
-    Internal("torchtitan.components.checkpoint", "CheckpointManager._find_load_step", "the step a resume loads"),
-    Internal("torchtitan.components.checkpoint", "CheckpointManager._create_checkpoint_id", "a step's folder"),
+    Internal("torchtitan.components.checkpointer", "CheckpointManager._save", "write the model weights after the last save"),
+    Internal("torchtitan.components.checkpointer", "CheckpointManager._should_save", "whether a step saves at all"),
+    Internal("torchtitan.components.checkpointer", "CheckpointManager._load", "mark the load (start-up timings)"),
+    Internal("torchtitan.components.checkpointer", "CheckpointManager._find_load_step", "the step a resume loads"),
+    Internal("torchtitan.components.checkpointer", "CheckpointManager._create_checkpoint_id", "a step's folder"),
     # FSDP only where it shards or casts: one fp32 rank trains without it (models/native.py).
     Internal("torchtitan.models.qwen3", "parallelize_qwen3", "no FSDP at one fp32 rank", parameter="skip_dp"),
     # A router setting outside router_topk's contract (models/nki/overrides.py).
@@ -432,7 +432,7 @@ _HOOKED = None
 
 
 def _make_hooked_checkpoint_manager():
-    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.checkpointer import CheckpointManager
 
     class HookedCheckpointManager(CheckpointManager):
         @dataclass(kw_only=True, slots=True)

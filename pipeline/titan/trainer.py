@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from torchtitan.components.checkpoint import MODEL
+from torchtitan.components.checkpointer import MODEL
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
