@@ -20,13 +20,19 @@ def segments(positions_row):
     return list(zip(starts, ends))
 
 
+def as_rows(batch: dict) -> dict:
+    """A recorded batch with [rows, tokens] tensors. torchtitan 0.3.0 records [B, L]; torchtitan main
+    folds the batch (#4121) and records [T] packed tokens, which is one row."""
+    return {k: v.unsqueeze(0) if v.dim() == 1 else v for k, v in batch.items()}
+
+
 def step1_loss(model, batches: list[dict]) -> float:
     import torch
     import torch.nn.functional as F
 
     total, count = 0.0, 0
     with torch.no_grad():
-        for batch in batches:
+        for batch in map(as_rows, batches):
             for row in range(batch["input"].shape[0]):
                 for start, end in segments(batch["positions"][row]):
                     ids = batch["input"][row, start:end].unsqueeze(0)

@@ -28,6 +28,8 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torchtitan.protocols.model import BaseModel
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
+from pipeline.titan import api
+
 # transformers' attention for the CPU path: SDPA takes the dense block-causal mask built below.
 ATTENTION = "sdpa"
 # transformers' per-expert loop runs in the parameters' dtype; grouped_mm kernels would not
@@ -170,6 +172,9 @@ class HFQwen3(BaseModel):
         rope.attention_scaling = scaling
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, **unused) -> torch.Tensor:
+        (tokens,), added = api.with_batch_dim(2, tokens)  # [T] packed tokens on torchtitan main (titan.api)
+        if added and positions is not None:
+            positions = positions.unsqueeze(0)
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape[0], -1)
         # Packed documents: positions restart per document (RoPE) and a block-causal mask keeps
@@ -178,7 +183,7 @@ class HFQwen3(BaseModel):
         # local sequence shard.
         mask = block_causal_mask(positions)
         hidden = self.model(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=False)
-        return self.lm_head(hidden.last_hidden_state)
+        return api.drop_batch_dim(self.lm_head(hidden.last_hidden_state), added)
 
 
 # The TP plan, as torch ParallelStyles: the Megatron layout torchtitan's own Qwen3 uses

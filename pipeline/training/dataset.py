@@ -131,21 +131,10 @@ def register(source: DataSource) -> str:
     """In a rank: add a file or Hub dataset to torchtitan's registry; returns the loader's name."""
     if source.kind == "titan":
         return source.loader_name
-    from datasets import load_dataset
-    from torchtitan.hf_datasets import DatasetConfig
-    from torchtitan.hf_datasets.text_datasets import DATASETS
+    from pipeline.titan import api
 
     if source.kind == "file":
-        if FILE_FORMATS[Path(source.file).suffix] == "json":
-            def loader(path):
-                return load_dataset("json", data_files=path, split="train")
-        else:
-            def loader(path):
-                return load_dataset("text", data_files=path, split="train", sample_by="paragraph")
-        path = source.file
+        api.register_text_dataset(source.loader_name, "file", source.file, FILE_FORMATS[Path(source.file).suffix])
     else:
-        def loader(path):
-            return load_dataset(path, split="train", streaming=True)
-        path = source.dataset
-    DATASETS[source.loader_name] = DatasetConfig(path=path, loader=loader, sample_processor=lambda s: s["text"])
+        api.register_text_dataset(source.loader_name, "hub", source.dataset, None)
     return source.loader_name
