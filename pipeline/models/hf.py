@@ -116,10 +116,10 @@ class HFQwen3(BaseModel):
 
         def update_from_config(self, *, config, **kwargs) -> None:
             limit = int(self.config_json.get("max_position_embeddings", 0))
-            if limit and config.training.seq_len > limit:
+            if limit and api.seq_len_of(config.training) > limit:
                 from pipeline.errors import PipelineError
 
-                raise PipelineError(f"seq_len {config.training.seq_len} exceeds max_position_embeddings {limit}.",
+                raise PipelineError(f"seq_len {api.seq_len_of(config.training)} exceeds max_position_embeddings {limit}.",
                                     f"use SEQ_LEN ≤ {limit}.")
 
         def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
