@@ -55,10 +55,10 @@ COPY --from=install /opt/pipeline-record/ /opt/pipeline/record/
 # Ubuntu 23.04 and later (the DLCs are built FROM Ubuntu 24.04/26.04) already have user `ubuntu` at UID
 # 1000, where `useradd --uid 1000` fails: the UID's existing user is the image's user, and `pipeline` is
 # created only when no user has that UID. Ownership is by number, so either works.
-RUN if ! getent passwd "${PIPELINE_UID}" >/dev/null; then \
+RUN if ! id -u "${PIPELINE_UID}" >/dev/null 2>&1; then \
         useradd --create-home --uid "${PIPELINE_UID}" --user-group --shell /bin/sh pipeline; \
     fi \
-    && gid="$(getent passwd "${PIPELINE_UID}" | cut -d: -f4)" \
+    && gid="$(id -g "${PIPELINE_UID}")" \
     && mkdir -p /home/pipeline /checkpoints /hf-cache /var/tmp/neuron-compile-cache \
     && chown "${PIPELINE_UID}:${gid}" /home/pipeline /checkpoints /hf-cache /var/tmp/neuron-compile-cache \
     && chmod 1777 /home/pipeline
