@@ -140,6 +140,7 @@ def test_image_labels_and_user(engine, image, cpu_lock):
     labels = attrs["Config"]["Labels"]
     assert labels["pipeline.lock.sha256"] == lock_sha256(cpu_lock)
     assert labels["org.opencontainers.image.base.name"] == BASE_TAG
+    assert labels["org.opencontainers.image.base.digest"] == engine.images.get(BASE_TAG).id == image["base_digest"]
     assert attrs["Config"]["User"] not in ("", "0", "root")
     assert not any("/tmp/wheels" in (layer.get("CreatedBy") or "") for layer in engine.api.history(image["tag"])), \
         "the wheelhouse leaked into the final image"
