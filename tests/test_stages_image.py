@@ -335,7 +335,7 @@ def test_the_container_user_opens_a_root_group_0660_device_through_its_group(eng
 
     assert run([]) != 0  # the image's user alone cannot open it: what a hardened host did before
     denied = capfd.readouterr()
-    assert "Permission denied" in denied.out + denied.err and "opened" not in denied.out
+    assert "Permission denied" in denied.out + denied.err and "opened" not in denied.out.splitlines()
     assert run(image_stage.device_groups(devices)) == 0
     opened = capfd.readouterr().out
-    assert "groups 4242" in opened and "opened" in opened
+    assert "groups 4242" in opened and "opened" in opened.splitlines()
