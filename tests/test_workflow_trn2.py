@@ -69,7 +69,7 @@ def test_no_pull_request_runs_on_the_self_hosted_runner():
         assert "pull_request" not in str(job.get("if", "")), name
     assert FLOW["permissions"] == {"contents": "read"}
     docs = (REPO / "docs" / "trn2.md").read_text()
-    assert "Require approval for all outside collaborators" in docs and "fork pull request workflows" in docs
+    assert "Require approval for all external contributors" in docs and "fork pull request workflows" in docs
 
 
 def test_stages_run_on_the_image_built_in_the_same_job():
