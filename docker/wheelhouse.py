@@ -23,9 +23,9 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from importlib import metadata
 import sys
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 
 PIN = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:==\s*([^\s;#]+)|@\s*(\S+))\s*(?:#.*)?$")

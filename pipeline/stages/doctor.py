@@ -358,7 +358,8 @@ def _normalize(name: str) -> str:
 
 
 def _recorded_commit(name: str) -> str | None:
-    """The VCS commit pip recorded for an installed package (PEP 610), None for an install from a clone."""
+    """The VCS commit pip recorded for an installed package (PEP 610), None for an install from a clone.
+    docker/wheelhouse.py reads the same at build time, in the base's Python, before the pipeline is there."""
     try:
         text = metadata.distribution(name).read_text("direct_url.json")
     except metadata.PackageNotFoundError:

@@ -111,12 +111,14 @@ def pip_environment(environ: dict) -> dict:
     return pip_env
 
 
-# How to find the base when it does not exist: the 2.33 TorchNeuron DLC's repository name could not be
-# confirmed here (Dockerfile; /work notes: `pytorch-training-neuronx` was last published at 2.31).
-LOOK_UP_BASE = ("look the Neuron 2.33 PyTorch training (TorchNeuron) DLC up in AWS's Neuron DLC list "
-                "(awsdocs-neuron containers/locate-neuron-dlc-image, or aws-neuron/deep-learning-containers' "
-                "release notes), or with `aws ecr-public describe-images --region us-east-1 --repository-name "
-                "neuron/<name>`, then pass BASE_IMAGE=<repository>@sha256:<digest>.")
+# How to find the base when it does not exist. The 2.33 TorchNeuron DLC's repository name is in no source
+# read for this project (docs/trn2.md); AWS's list of Neuron DLCs (awsdocs-neuron v2.33.0,
+# deploy/environments/dlc-images, "Neuron Deep Learning Containers") sends readers to
+# github.com/aws-neuron/deep-learning-containers "for the exact published tags".
+LOOK_UP_BASE = ("find the Neuron 2.33 \"PyTorch Training (TorchNeuron)\" DLC's repository and tag in "
+                "github.com/aws-neuron/deep-learning-containers (linked from AWS's Neuron DLC list, "
+                "awsdocs-neuron deploy/environments/dlc-images), or with `aws ecr-public describe-images --region "
+                "us-east-1 --repository-name neuron/<name>`, then pass BASE_IMAGE=<repository>@sha256:<digest>.")
 # What a registry says when the name or tag is not there (Docker's pull errors, by registry).
 NOT_FOUND = ("not found", "manifest unknown", "does not exist", "repository name not known", "name unknown")
 
