@@ -47,7 +47,7 @@ def test_actionlint_passes():
     assert _actionlint(WORKFLOW) == []
 
 
-def test_actionlint_sees_a_bad_gate(tmp_path):
+def test_actionlint_sees_a_broken_workflow(tmp_path):
     broken = tmp_path / "trn2.yml"
     broken.write_text(WORKFLOW.read_text().replace("${{ matrix.key }}", "${{ matrix.kee }}", 1)
                       .replace("timeout-minutes: 90", "timeout-minute: 90"))
