@@ -65,7 +65,7 @@ def test_workflow_shape():
     for name, job in jobs.items():
         assert job["runs-on"] == ["self-hosted", "trn2"], name
         assert isinstance(job["timeout-minutes"], int), name
-    assert jobs["pipeline"]["needs"] == "image" and jobs["verify-kernels"]["needs"] == "pipeline"
+    assert list(jobs) == ["pipeline"]  # the image is built and used on one runner (issue 17, 5.2)
     matrix = jobs["pipeline"]["strategy"]["matrix"]["include"]
     assert [m["model"] for m in matrix] == ["Qwen/Qwen3-4B-Instruct-2507"]
     # Artifacts are collected from each model's folder under checkpoints/: the store's key.

@@ -342,6 +342,7 @@ def inside_image_rows(target: str, record: Path = IMAGE_RECORD, lock: Path | Non
                       f"{len(wanted) - len(absent)} present" + (f"; absent: {', '.join(absent)}" if absent else "")
                       + (f"; {len(kept)} at the base image's version ({record / 'differences.txt'})" if kept else ""),
                       _status(not absent, True)))
+    rows += core_package_rows(lock, installed)
     missing = compat.missing_internals(compat.internals_for(target))
     shown = ", ".join(missing[:3]) + (f" … ({len(missing)} in all)" if len(missing) > 3 else "")
     rows.append(Check("torchtitan internals", f"those of torchtitan {compat.EXPECTED_TORCHTITAN} the pipeline uses",
@@ -354,6 +355,46 @@ def inside_image_rows(target: str, record: Path = IMAGE_RECORD, lock: Path | Non
 
 def _normalize(name: str) -> str:
     return _canonical(name)
+
+
+def _recorded_commit(name: str) -> str | None:
+    """The VCS commit pip recorded for an installed package (PEP 610), None for an install from a clone.
+    docker/wheelhouse.py reads the same at build time, in the base's Python, before the pipeline is there."""
+    try:
+        text = metadata.distribution(name).read_text("direct_url.json")
+    except metadata.PackageNotFoundError:
+        return None
+    return (json.loads(text).get("vcs_info") or {}).get("commit_id") if text else None
+
+
+def core_package_rows(lock: Path, installed: dict[str, str], commit_of=_recorded_commit) -> list[Check]:
+    """The packages the pipeline's code depends on (pipeline/run/image.py) against the lock's pins: the
+    image keeps the base's versions, and for these a version outside the lock's is a FAIL naming both."""
+    from pipeline.run.image import CORE_PACKAGES, COMMIT
+
+    rows = []
+    for requirement in _requirements(lock):
+        name = _canonical(requirement.name)
+        if name not in CORE_PACKAGES:
+            continue
+        have = installed.get(name)
+        if requirement.url:
+            wanted = COMMIT.search(requirement.url)
+            commit = commit_of(requirement.name) if have else None
+            if have is None:
+                found, status = "missing", "FAIL"
+            elif commit is None or wanted is None:
+                found, status = f"{have} (no commit recorded by its install: not compared)", "warn"
+            else:
+                found = f"{have} at commit {commit}"
+                status = _status(commit == wanted.group(1), True)
+            needs = f"commit {wanted.group(1) if wanted else requirement.url}"
+        else:
+            needs = str(requirement.specifier).removeprefix("==")
+            found = have or "missing"
+            status = _status(have is not None and requirement.specifier.contains(have, prereleases=True), True)
+        rows.append(Check(f"code depends on: {requirement.name}", f"lock {needs}", found, status))
+    return rows
 
 
 def table(rows: list[Check]) -> str:
