@@ -69,7 +69,8 @@ def test_slurm_nodes_share_one_cache(tmp_path, monkeypatch):
     parser = argparse.ArgumentParser()
     launch.add_arguments(parser)  # every flag at its default, as a user's command line would give them
     args = parser.parse_args(["--scheduler", "slurm", "--nodes", "2", "--model", "Qwen/Qwen3-0.6B",
-                              "--cluster-checkpoints", "/fsx/checkpoints", "--output", str(tmp_path / "out")])
+                              "--cluster-checkpoints", "/fsx/checkpoints", "--output", str(tmp_path / "out"),
+                              "--image", "r.example/q@sha256:" + "0" * 64])
     script = launch.render_slurm(launch.plan(args))["train.sbatch"]
     assert f"export {NEW}=/fsx/checkpoints/.neuron-compile-cache" in script
     assert f'mkdir -p "${NEW}"' in script and OLD not in script

@@ -249,7 +249,8 @@ def _render(args, scheduler: str, out: Path) -> tuple[Path, dict]:
         scheduler=scheduler, nodes=args.nodes, model=args.model, path="native", steps=args.steps, seq_len=None,
         nproc_per_node=1, target=rehearsal.HOST_TARGET, image=None, runtime="venv", venv=str(Path(sys.executable).parent.parent),
         cluster_checkpoints=str(store.checkpoints_root().resolve()), compile_cache=None, namespace="default",
-        pvc="fsx-claim", output=out / "files", run_dir=str(run_dir))
+        pvc="fsx-claim", output=out / "files", run_dir=str(run_dir),
+        local_image_ok=True)  # the rehearsal runs the pods' command here, no image is pulled
     written = launch.run(launch_args)
     return run_dir, written
 
