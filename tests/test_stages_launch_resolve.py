@@ -91,3 +91,30 @@ def test_fresh_is_refused_for_a_cluster_launch(tmp_path):
                              "TARGET=cpu", "RUNTIME=venv", "FRESH=1", f"PIPELINE_CHECKPOINTS={tmp_path}"],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0 and "error: FRESH=1 with a cluster launch" in result.stderr
+
+
+def test_hugging_face_variables_pass_through_make_into_the_launch_files(tmp_path):
+    """HF_HOME=… on make's command line is the user's setting for huggingface_hub, not a typo: it reaches the
+    stage and the sbatch; HF_TOKEN is a secret and is never written there (the job inherits it)."""
+    out = tmp_path / "o"
+    env_token = {"HF_TOKEN": "hf_secret_value_for_test"}
+    os.environ.update(env_token)
+    try:
+        make("launch-slurm", "MODEL=tiny", "TARGET=cpu", "RUNTIME=venv", f"LAUNCH_DIR={out}", "HF_HOME=/fsx/hf",
+             "HF_HUB_OFFLINE=1", "HF_ENDPOINT=https://hf-mirror.example", root=tmp_path / "ckpt")
+    finally:
+        os.environ.pop("HF_TOKEN")
+    script = (out / "train.sbatch").read_text()
+    for line in ("export HF_HOME=/fsx/hf", "export HF_HUB_OFFLINE=1", "export HF_ENDPOINT=https://hf-mirror.example"):
+        assert line in script
+    assert "hf_secret_value_for_test" not in script and "hf_secret_value_for_test" not in (out / "run.json").read_text()
+
+
+@pytest.mark.parametrize("assignment, expected", [("HF_TOKEN=x", "HF_TOKEN on the command line"),
+                                                  ("HF_HOM=/x", "unknown variable HF_HOM"),
+                                                  ("PARTITON=trn2", "unknown variable PARTITON (did you mean PARTITION?)")])
+def test_a_secret_or_a_typo_on_the_command_line_is_refused(assignment, expected):
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    result = subprocess.run(["make", "-n", "--no-print-directory", "launch-slurm", assignment], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and expected in result.stderr and "-m pipeline" not in result.stdout

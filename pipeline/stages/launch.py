@@ -120,6 +120,11 @@ def plan(args: argparse.Namespace) -> LaunchPlan:
                               titan_args=tuple(shlex.split(getattr(args, "titan_args", "") or "")),
                               dry_run=True, checkpoints_root=Path(cluster_ckpt),
                               run_dir=Path(args.run_dir) if args.run_dir else None))
+    cluster_home = store.home(args.model, Path(cluster_ckpt))
+    if cluster_home.source.kind == "hub":
+        # The nodes read the Hub snapshot through <key>/source, the link `make download` leaves under the
+        # shared root (this host's HF cache path would mean nothing on them).
+        spec.source_dir = str(cluster_home.local_source)
     output = args.output or store.home(args.model).launch / f"{args.scheduler}-{args.nodes}"
     needs_image = args.scheduler == "eks" or args.runtime == "pyxis"
     image = cluster_image(args.image, needs_image and not getattr(args, "local_image_ok", False))
