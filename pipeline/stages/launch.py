@@ -43,6 +43,9 @@ RUN_JSON_IN_POD = "/etc/pipeline/run.json"
 # sbatch job inherits it from the submitting shell; EKS reads it from a Secret).
 HF_PASSED = ("HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "HF_ENDPOINT")
 HF_TOKEN_SECRET = "hf-token"  # kubectl create secret generic hf-token --from-literal=token=$HF_TOKEN
+# EKS: how many times a failed node's trainer container is restarted (in its pod, same DNS name) before the
+# Job gives up, per node; each restart rejoins the rendezvous and resumes from the last complete checkpoint.
+RESTARTS_PER_NODE = 3
 
 
 @dataclass(frozen=True)
@@ -235,6 +238,9 @@ def render_eks(plan_: LaunchPlan) -> dict[str, str]:
     name = f"qwen3-{spec.model_key.lower()}-{spec.path}".replace("_", "-").replace(".", "-")[:50].strip("-")
     labels = {"app.kubernetes.io/name": name}
     env = {**_env_lines(plan_), "MASTER_ADDR": f"{name}-0.{name}", "MASTER_PORT": str(RDZV_PORT), "RDZV_ID": name}
+    # HF_TOKEN from a Secret (never in the manifest); optional: public models need none.
+    token = {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": HF_TOKEN_SECRET, "key": "token",
+                                                                 "optional": True}}}
     resources = {"aws.amazon.com/neuron": NEURON_DEVICES_PER_NODE, "vpc.amazonaws.com/efa": EFA_DEVICES_PER_NODE}
     config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{name}-run", "labels": labels},
                   "data": {"run.json": json.dumps(spec.to_dict(), indent=2)}}
@@ -245,7 +251,7 @@ def render_eks(plan_: LaunchPlan) -> dict[str, str]:
     container = {
         "name": "trainer", "image": plan_.image, "workingDir": IMAGE_WORKDIR,
         "command": ["bash", "-c", node_command(spec, IMAGE_PYTHON, RUN_JSON_IN_POD)],
-        "env": [{"name": k, "value": v} for k, v in env.items()],
+        "env": [{"name": k, "value": v} for k, v in env.items()] + [token],
         "resources": {"requests": dict(resources), "limits": dict(resources)},
         "securityContext": {"capabilities": {"add": ["IPC_LOCK"]}},  # EFA pins memory
         "volumeMounts": [{"name": "checkpoints", "mountPath": plan_.cluster_checkpoints},
@@ -255,11 +261,14 @@ def render_eks(plan_: LaunchPlan) -> dict[str, str]:
     job = {
         "apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name, "labels": labels},
         "spec": {
-            "completionMode": "Indexed", "completions": plan_.nodes, "parallelism": plan_.nodes, "backoffLimit": 0,
+            # A failed trainer restarts in its pod (OnFailure: same pod, same DNS name for the rendezvous) and
+            # resumes from the run's last complete checkpoint on the shared volume, up to backoffLimit times.
+            "completionMode": "Indexed", "completions": plan_.nodes, "parallelism": plan_.nodes,
+            "backoffLimit": RESTARTS_PER_NODE * plan_.nodes,
             "template": {
                 "metadata": {"labels": labels},
                 "spec": {
-                    "subdomain": name, "restartPolicy": "Never",
+                    "subdomain": name, "restartPolicy": "OnFailure",
                     "nodeSelector": {"node.kubernetes.io/instance-type": "trn2.48xlarge"},
                     "affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
                         {"labelSelector": {"matchLabels": labels}, "topologyKey": "kubernetes.io/hostname"}]}},
@@ -276,7 +285,28 @@ def render_eks(plan_: LaunchPlan) -> dict[str, str]:
     for doc in (config_map, service, job):
         doc["metadata"]["namespace"] = plan_.namespace
     text = "# Rendered by `python -m pipeline launch --scheduler eks`. Apply: kubectl apply -f job.yaml\n"
-    return {"job.yaml": text + yaml.safe_dump_all([config_map, service, job], sort_keys=False)}
+    stage = staging_job(plan_, name, labels, token)
+    stage_text = ("# Stages the model and the training data on the shared volume before job.yaml runs:\n"
+                  "#   kubectl apply -f stage.yaml && kubectl wait --for=condition=complete job/" + name + "-stage\n")
+    return {"job.yaml": text + yaml.safe_dump_all([config_map, service, job], sort_keys=False),
+            "stage.yaml": stage_text + yaml.safe_dump(stage, sort_keys=False)}
+
+
+def staging_job(plan_: LaunchPlan, name: str, labels: dict, token: dict) -> dict:
+    """One pod that runs `download` and `data` in the image onto the shared volume: what the nodes read."""
+    spec = plan_.spec
+    steps = [[IMAGE_PYTHON, "-m", "pipeline", "download", "--model", spec.model],
+             [IMAGE_PYTHON, "-m", "pipeline", "data", "--model", spec.model]]
+    env = {"PIPELINE_CHECKPOINTS": plan_.cluster_checkpoints, "PYTHONUNBUFFERED": "1", **(plan_.hf_env or {})}
+    container = {"name": "stage", "image": plan_.image, "workingDir": IMAGE_WORKDIR,
+                 "command": ["bash", "-c", " && ".join(shlex.join(step) for step in steps)],
+                 "env": [{"name": k, "value": v} for k, v in env.items()] + [token],
+                 "volumeMounts": [{"name": "checkpoints", "mountPath": plan_.cluster_checkpoints}]}
+    return {"apiVersion": "batch/v1", "kind": "Job",
+            "metadata": {"name": f"{name}-stage", "labels": labels, "namespace": plan_.namespace},
+            "spec": {"backoffLimit": 2, "template": {"metadata": {"labels": labels}, "spec": {
+                "restartPolicy": "OnFailure", "containers": [container],
+                "volumes": [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": plan_.pvc}}]}}}}
 
 
 def run(args: argparse.Namespace) -> dict[str, Path]:

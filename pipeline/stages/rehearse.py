@@ -278,7 +278,7 @@ def node_commands(scheduler: str, written: dict, nodes: int, port: int) -> tuple
     # The pod's image paths → this machine's: the image's venv python and the ConfigMap's mount.
     command = (container["command"][-1].replace(launch.IMAGE_PYTHON, sys.executable)
                .replace(launch.RUN_JSON_IN_POD, str(run_json)))
-    env = {**base, **{e["name"]: e["value"] for e in container["env"]},
+    env = {**base, **{e["name"]: e["value"] for e in container["env"] if "value" in e},
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # the pod-0 DNS name and port → this machine
     return [(command, {**env, "JOB_COMPLETION_INDEX": str(i), "NODE_RANK": str(i)}) for i in range(nodes)], run_json
 
