@@ -167,7 +167,7 @@ launch-eks: setup ## render Kubernetes manifests for NODES trn2 nodes (the train
 	$(HOST_PIPE) launch --scheduler eks --nodes $(or $(NODES),2) --path $(TRAIN_PATH) $(TRAIN_FLAGS) $(LAUNCH_FLAGS) $(EKS_FLAGS)
 
 push: setup ## push the built image to REGISTRY (docker credentials), record its digest for launch-*
-	$(HOST_PIPE) push --registry $(REGISTRY) $(if $(IMAGE),--image $(IMAGE))
+	$(HOST_PIPE) push $(if $(REGISTRY),--registry $(REGISTRY)) $(if $(IMAGE),--image $(IMAGE))
 
 rehearse: setup download data ## trn2.toml's parallel plan on CPU ranks (hf, native, nki), export + verify each, and the launch files on NODES "nodes" → checkpoints/<key>/rehearse
 	$(PIPE) rehearse --model $(MODEL) $(if $(STEPS),--steps $(STEPS)) --nodes $(or $(NODES),2)

@@ -297,7 +297,9 @@ def staging_job(plan_: LaunchPlan, name: str, labels: dict, token: dict) -> dict
     spec = plan_.spec
     steps = [[IMAGE_PYTHON, "-m", "pipeline", "download", "--model", spec.model],
              [IMAGE_PYTHON, "-m", "pipeline", "data", "--model", spec.model]]
-    env = {"PIPELINE_CHECKPOINTS": plan_.cluster_checkpoints, "PYTHONUNBUFFERED": "1", **(plan_.hf_env or {})}
+    # The Hub cache on the volume unless HF_HOME says otherwise: the image's own /hf-cache dies with the pod.
+    env = {"PIPELINE_CHECKPOINTS": plan_.cluster_checkpoints, "PYTHONUNBUFFERED": "1",
+           "HF_HOME": f"{plan_.cluster_checkpoints}/.hf-home", **(plan_.hf_env or {})}
     container = {"name": "stage", "image": plan_.image, "workingDir": IMAGE_WORKDIR,
                  "command": ["bash", "-c", " && ".join(shlex.join(step) for step in steps)],
                  "env": [{"name": k, "value": v} for k, v in env.items()] + [token],
