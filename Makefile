@@ -42,18 +42,35 @@ NODES|2|launch-slurm / launch-eks: number of trn2 nodes; rehearse: CPU "nodes" o
 IN_CONTAINER|$(IN_CONTAINER)|1: run stages inside the pipeline image (default 1 on a Neuron host whose venv lacks torch-neuronx)
 IMAGE|lock tag|the image IN_CONTAINER uses
 BASE_IMAGE|Neuron 2.33 DLC|the image `make image` builds on
+RUNTIME|pyxis|launch-slurm: pyxis (the pushed image through enroot) or venv (VENV on the shared filesystem)
+CLUSTER_CHECKPOINTS|/fsx/checkpoints (eks: /checkpoints)|launch-*: the shared checkpoints root as the nodes see it
+PARTITION||launch-slurm: sbatch --partition
+ACCOUNT||launch-slurm: sbatch --account
+TIME_LIMIT||launch-slurm: sbatch --time (e.g. 04:00:00)
+JOB_NAME|qwen3-<model>-<path>|launch-*: the job's name
+PVC|fsx-claim|launch-eks: the PersistentVolumeClaim of the shared checkpoints
+NAMESPACE|default|launch-eks: the namespace
+LAUNCH_DIR|checkpoints/<key>/launch/<scheduler>-<NODES>|launch-*: where the files are written
+REGISTRY||push: registry/repository to push the image to (e.g. <account>.dkr.ecr.<region>.amazonaws.com/qwen3)
 BENCH_REPEATS|2|bench: repeats per measurement
 BENCH_ONLY|all|bench: comma-separated sections
 PYTHON|$(PYTHON)|the Python that builds .venv (3.11 or newer)
 VENV|$(VENV)|the virtual environment
 endef
 export VARIABLES
+# Variables of other tools that users set on the command line too: passed through to the stages (and
+# by launch-* into the launch files), never refused. HF_TOKEN is a secret: from the environment only.
+EXTERNAL_VARS := HF_HOME HF_HUB_CACHE HF_HUB_OFFLINE HF_ENDPOINT PIPELINE_CHECKPOINTS DOCKER_HOST
 KNOWN_VARS := $(foreach line,$(subst $(newline),$(space),$(subst $(space),~,$(VARIABLES))),$(firstword $(subst |, ,$(line))))
 BOOL_VARS := DRY_RUN FRESH FORCE IN_CONTAINER
 
 # A misspelled command-line variable (STEP=5) would be silently ignored: refuse it, naming the closest.
 CLI_VARS := $(foreach v,$(.VARIABLES),$(if $(filter command line,$(origin $(v))),$(v)))
-UNKNOWN_VARS := $(filter-out $(KNOWN_VARS) MAKEFLAGS MFLAGS,$(CLI_VARS))
+UNKNOWN_VARS := $(filter-out $(KNOWN_VARS) $(EXTERNAL_VARS) MAKEFLAGS MFLAGS,$(CLI_VARS))
+ifneq ($(filter HF_TOKEN,$(CLI_VARS)),)
+$(error HF_TOKEN on the command line is kept in shell history and shown by ps. Fix: export HF_TOKEN in the environment (or `huggingface-cli login`) instead)
+endif
+export $(EXTERNAL_VARS)
 ifneq ($(UNKNOWN_VARS),)
 $(error $(shell $(PYTHON) -c 'import difflib,sys; known=sys.argv[1].split(); print("; ".join(f"unknown variable {u}" + ("".join(f" (did you mean {m}?)" for m in difflib.get_close_matches(u.upper(), known, 1, 0.5))) for u in sys.argv[2:]))' '$(KNOWN_VARS)' $(UNKNOWN_VARS)). Fix: see `make help` for the variables)
 endif
@@ -78,7 +95,7 @@ TRAIN_DEPS := $(if $(call on,DRY_RUN),,download data)
 EMBEDDED_MODELS := tiny tiny-moe
 
 .PHONY: help setup python-check download data train-hf train-native train-nki export verify-checkpoint \
-        verify-kernels report image doctor launch-slurm launch-eks rehearse pipeline test test-fast bench clean distclean
+        verify-kernels report image push doctor launch-slurm launch-eks rehearse pipeline test test-fast bench clean distclean
 
 help: ## list the targets and variables
 	@echo "targets:"
@@ -136,11 +153,21 @@ doctor: python-check ## what this host has vs what the pipeline needs (works bef
 	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m pipeline doctor --venv $(VENV) $(if $(TARGET),--target $(TARGET)) \
 	  $(if $(call on,IN_CONTAINER),--in-container $(if $(IMAGE),--image $(IMAGE)))
 
-launch-slurm: setup ## render an sbatch script for NODES trn2 nodes
-	$(HOST_PIPE) launch --scheduler slurm --nodes $(or $(NODES),2) --model $(MODEL) --path $(TRAIN_PATH)
+# launch-* take every train-* variable (one resolution: the cluster's run.json is the dry run's) and these.
+LAUNCH_FLAGS = $(if $(IMAGE),--image $(IMAGE)) $(if $(CLUSTER_CHECKPOINTS),--cluster-checkpoints $(CLUSTER_CHECKPOINTS)) \
+               $(if $(JOB_NAME),--job-name $(JOB_NAME)) $(if $(LAUNCH_DIR),--output $(LAUNCH_DIR))
+SLURM_FLAGS = $(if $(RUNTIME),--runtime $(RUNTIME)) $(if $(PARTITION),--partition $(PARTITION)) \
+              $(if $(ACCOUNT),--account $(ACCOUNT)) $(if $(TIME_LIMIT),--time-limit $(TIME_LIMIT))
+EKS_FLAGS = $(if $(PVC),--pvc $(PVC)) $(if $(NAMESPACE),--namespace $(NAMESPACE))
 
-launch-eks: setup ## render Kubernetes manifests for NODES trn2 nodes
-	$(HOST_PIPE) launch --scheduler eks --nodes $(or $(NODES),2) --model $(MODEL) --path $(TRAIN_PATH)
+launch-slurm: setup ## render an sbatch script for NODES trn2 nodes (the train-* variables, IMAGE pushed by digest)
+	$(HOST_PIPE) launch --scheduler slurm --nodes $(or $(NODES),2) --path $(TRAIN_PATH) $(TRAIN_FLAGS) $(LAUNCH_FLAGS) $(SLURM_FLAGS)
+
+launch-eks: setup ## render Kubernetes manifests for NODES trn2 nodes (the train-* variables, IMAGE pushed by digest)
+	$(HOST_PIPE) launch --scheduler eks --nodes $(or $(NODES),2) --path $(TRAIN_PATH) $(TRAIN_FLAGS) $(LAUNCH_FLAGS) $(EKS_FLAGS)
+
+push: setup ## push the built image to REGISTRY (docker credentials), record its digest for launch-*
+	$(HOST_PIPE) push $(if $(REGISTRY),--registry $(REGISTRY)) $(if $(IMAGE),--image $(IMAGE))
 
 rehearse: setup download data ## trn2.toml's parallel plan on CPU ranks (hf, native, nki), export + verify each, and the launch files on NODES "nodes" → checkpoints/<key>/rehearse
 	$(PIPE) rehearse --model $(MODEL) $(if $(STEPS),--steps $(STEPS)) --nodes $(or $(NODES),2)

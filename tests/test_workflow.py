@@ -122,6 +122,6 @@ def test_in_container_runs_stages_in_the_image_and_the_rest_on_the_host():
         lines = _make_dry(target)
         assert all(" -m pipeline image" not in line for line in lines), lines
         assert [line.split(" -m pipeline ")[1].split()[0] for line in lines] == stages, lines
-    for host_only in ("image", "doctor", "launch-slurm", "launch-eks"):
+    for host_only in ("image", "push", "doctor", "launch-slurm", "launch-eks"):
         (line,) = _make_dry(host_only, IN_CONTAINER="1")
         assert "--run" not in line, line

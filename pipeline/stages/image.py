@@ -31,10 +31,11 @@ from pipeline.run.image import CORE_PACKAGES, DEFAULT_BASE_IMAGE, build_key, che
 # install pages give them (setup/pytorch/update-manual, 2.33). No CI-only variable is needed.
 NEURON_PIP_INDEXES = "https://pip.repos.neuron.amazonaws.com https://download.pytorch.org/whl/cpu"
 # What a stage in the image reads from the caller's environment (values never printed).
-PASSED_THROUGH = ("HF_TOKEN", "TARGET", "PIPELINE_REQUIRE_PINNED")
+PASSED_THROUGH = ("HF_TOKEN", "HF_HUB_OFFLINE", "HF_ENDPOINT", "TARGET", "PIPELINE_REQUIRE_PINNED")
 WHEELHOUSE_RECORDS = ("requirements.hashed.txt", "image-packages.txt", "differences.txt", "lock.txt")
 IMAGE_CHECKPOINTS = "/checkpoints"
-IMAGE_HF_CACHE = "/hf-cache"
+IMAGE_HF_CACHE = "/hf-cache"  # the image's HF_HOME; a host HF_HUB_CACHE is mounted at its hub/ (the default)
+IMAGE_HUB_CACHE = f"{IMAGE_HF_CACHE}/hub"
 # Where the image's TorchNeuron finds its NEFF cache (the Dockerfile's TORCH_NEURONX_NEFF_CACHE_DIR); the
 # host's persistent cache is bind-mounted there so a second run with the same shapes does not recompile.
 IMAGE_COMPILE_CACHE = targets.DEFAULT_NEFF_CACHE
@@ -63,6 +64,7 @@ class ContainerRun:
     # Supplementary groups of the container user: those owning devices it could not open otherwise.
     group_add: list[int] = field(default_factory=list)
     network_host: bool = True
+    hub_cache: Path | None = None  # HF_HUB_CACHE when the user set one apart from HF_HOME
     shm_size: str = "8g"
 
 
@@ -279,9 +281,10 @@ def container_run(image: str, argv: list[str]) -> ContainerRun:
     hf_cache = Path(os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface")
     compile_cache = Path(os.environ.get("PIPELINE_COMPILE_CACHE") or Path.home() / ".cache" / "neuron-compile-cache")
     devices = host_devices()
+    hub_cache = Path(os.environ["HF_HUB_CACHE"]) if os.environ.get("HF_HUB_CACHE") else None
     return ContainerRun(image=image, argv=list(argv), checkpoints=store.checkpoints_root().resolve(),
                         hf_cache=hf_cache, compile_cache=compile_cache, devices=devices,
-                        group_add=device_groups(devices))
+                        group_add=device_groups(devices), hub_cache=hub_cache)
 
 
 def host_devices(dev: Path = Path("/dev")) -> list[str]:
@@ -323,6 +326,10 @@ def run_in_image(request: ContainerRun, engine=None) -> int:
     # Only the name is ever printed; the value goes to the engine and nowhere else.
     environment = {k: os.environ[k] for k in PASSED_THROUGH if os.environ.get(k)}
     environment[targets.NEFF_CACHE_ENV] = IMAGE_COMPILE_CACHE  # never a host path the container cannot see
+    if request.hub_cache:  # the host's hub cache where the image's huggingface_hub looks for it
+        _writable_for_image_user(request.hub_cache)
+        volumes[str(request.hub_cache)] = {"bind": IMAGE_HUB_CACHE, "mode": "rw"}
+        environment["HF_HUB_CACHE"] = IMAGE_HUB_CACHE
     # The caller's own uid, so outputs on the mounts belong to them; root gets the image's user.
     user = None if os.geteuid() == 0 else f"{os.geteuid()}:{os.getegid()}"
     extra = {"cap_add": ["IPC_LOCK"], "ulimits": [_memlock_unlimited()]} if request.devices else {}
