@@ -175,3 +175,35 @@ def forward_signature_of(parent_forward):
         return forward
 
     return adopt
+
+
+# torchtitan's own text datasets and the path each reads (hf_datasets/text_datasets.py DATASETS), named
+# here so the launcher checks DATASET= without importing torchtitan; tests/test_training_dataset.py
+# keeps each equal to its variant's registry. main reads c4_test's JSON file, 0.3.0 its folder.
+TITAN_DATASETS = {
+    V030: {"c4": "allenai/c4", "c4_test": "tests/assets/c4_test", "c4_validation": "allenai/c4"},
+    MAIN: {"c4": "allenai/c4", "c4_test": "tests/assets/c4_test/data.json", "c4_validation": "allenai/c4"},
+}
+
+
+def titan_datasets() -> dict[str, str]:
+    return TITAN_DATASETS[variant()]
+
+
+def registered_dataset_paths() -> dict[str, str]:
+    """{name: path read} of the installed torchtitan's DATASETS (what TITAN_DATASETS must equal)."""
+    from torchtitan.hf_datasets.text_datasets import DATASETS
+
+    if not folded_batch():
+        return {name: config.path for name, config in DATASETS.items()}
+    return {name: config.source.load_dataset_kwargs.get("data_files", config.source.path)
+            for name, config in DATASETS.items()}
+
+
+def build_text_loader(loader_config, *, tokenizer, seq_len: int, local_batch_size: int):
+    """A text loader config built as torchtitan's Trainer builds it on one data-parallel rank."""
+    if folded_batch():
+        return loader_config.build(dp_world_size=1, dp_rank=0, tokenizer=tokenizer, max_context_length=seq_len,
+                                   num_tokens_per_batch=local_batch_size * seq_len)
+    return loader_config.build(dp_world_size=1, dp_rank=0, tokenizer=tokenizer, seq_len=seq_len,
+                               local_batch_size=local_batch_size)

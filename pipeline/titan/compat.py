@@ -139,12 +139,6 @@ def all_partial_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZ
                                     seq_lengths=(Q_LEN, KV_LEN))
 
 
-# torchtitan 0.3.0's own text datasets (torchtitan/hf_datasets/text_datasets.py DATASETS) and the
-# path each reads, named here so the launcher checks DATASET= without importing torchtitan;
-# tests/test_titan_compat.py keeps this equal to the installed registry.
-TITAN_DATASETS = {"c4": "allenai/c4", "c4_test": "tests/assets/c4_test", "c4_validation": "allenai/c4"}
-
-
 def apply_titan_args(config, args: list[str]):
     """torchtitan's own CLI flags (`--training.steps 5`) over a built Trainer.Config, parsed by the
     parser `torchtitan.train` uses (tyro with torchtitan's registry of custom rules). An unknown or

@@ -4,7 +4,7 @@ each rank with torchtitan's dataset registry (so torchtitan's own HF text loader
   local             the model's data/train.jsonl (written by `make data`)
   a .jsonl file     JSON lines, each an object with a "text" string
   a .txt file       plain UTF-8 text, one document per paragraph (blank-line separated)
-  c4, c4_test, …    a torchtitan dataset (titan.compat.TITAN_DATASETS); C4 is trn2's default
+  c4, c4_test, …    a torchtitan dataset (titan.api.titan_datasets()); C4 is trn2's default
   org/name          a Hub dataset with a "text" column, streamed (split "train")
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.errors import PipelineError
-from pipeline.titan.compat import TITAN_DATASETS
+from pipeline.titan import api
 
 LOCAL = "local"
 FILE_FORMATS = {".jsonl": "json", ".txt": "text"}
@@ -49,7 +49,7 @@ def resolve(dataset: str, local_file: Path, check_local: bool = True, model: str
                                     f"run `make data MODEL={model}` first, or give DATASET=<file or dataset id>.")
             check_file(Path(local_file))
         return DataSource("file", dataset, str(local_file))
-    if dataset in TITAN_DATASETS:
+    if dataset in api.titan_datasets():
         _check_titan_dataset(dataset)
         return DataSource("titan", dataset)
     path = Path(dataset).expanduser()
@@ -59,7 +59,7 @@ def resolve(dataset: str, local_file: Path, check_local: bool = True, model: str
     if HUB_ID.fullmatch(dataset):
         return DataSource("hub", dataset)
     raise PipelineError(f"DATASET={dataset!r} is not {LOCAL!r}, a .jsonl/.txt file, a torchtitan dataset "
-                        f"({', '.join(TITAN_DATASETS)}) or a Hub dataset id (org/name).",
+                        f"({', '.join(api.titan_datasets())}) or a Hub dataset id (org/name).",
                         "check the spelling, or give the path of an existing file.")
 
 
@@ -118,7 +118,7 @@ def _first_lines(handle, head: bytes) -> list[tuple[int, str]]:
 
 
 def _check_titan_dataset(name: str) -> None:
-    path = TITAN_DATASETS[name]
+    path = api.titan_datasets()[name]
     # c4_test reads a path relative to the working directory (a torchtitan source checkout's
     # tests/assets), which the wheel does not ship; the others are Hub datasets.
     if not HUB_ID.fullmatch(path) and not Path(path).exists():
