@@ -187,6 +187,32 @@ class Environment:
         return found
 
 
+    def package_dir(self, name: str) -> Path | None:
+        """Where the import package `name` lives in this environment (without importing it)."""
+        if self.paths is None:
+            spec = importlib.util.find_spec(name)
+            return Path(spec.origin).parent if spec and spec.origin else None
+        return next((Path(p) / name for p in self.paths if (Path(p) / name / "__init__.py").exists()), None)
+
+
+def check_torchtitan_api(env: "Environment | None") -> Check:
+    """Which of the two torchtitan APIs the stages will run on (pipeline.titan.api: told apart by what the
+    package declares, never by its version: PyPI's 0.3.0 and torchtitan-neuron's 0.2.2 base differ while
+    upstream main also says 0.2.2), and whether AWS's torchtitan_neuron (its Qwen3 configs) is importable."""
+    from pipeline.titan import api
+
+    needs = "torchtitan 0.3.0 or upstream-main API"
+    if env is None:
+        return Check("torchtitan API", needs, "no project venv yet: `make setup` installs it", "warn")
+    package = env.package_dir("torchtitan")
+    if package is None:
+        return Check("torchtitan API", needs, f"torchtitan not installed in {env.description}", "FAIL")
+    neuron = env.package_dir("torchtitan_neuron")
+    found = (f"{api.DESCRIPTION[api.variant_at(package)]}; torchtitan_neuron "
+             + (f"importable ({neuron})" if neuron else "not installed (only the image has it)"))
+    return Check("torchtitan API", needs, found, "ok")
+
+
 def _canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
@@ -283,7 +309,7 @@ def checks(target: str, lock: Path, host: Host = Host(), packages: str = "proble
     if not in_container:
         if target == "trn2":
             rows.append(check_neuron_python(target, env))
-        return rows + package_rows(lock, env, packages)
+        return rows + [check_torchtitan_api(env)] + package_rows(lock, env, packages)
     # The stages run in the image: the host venv only runs image/doctor/launch (the dev lock).
     return rows + package_rows(store.REPO / "requirements-dev.lock", env, packages) + image_rows(target, image, engine)
 
@@ -343,9 +369,10 @@ def inside_image_rows(target: str, record: Path = IMAGE_RECORD, lock: Path | Non
                       + (f"; {len(kept)} at the base image's version ({record / 'differences.txt'})" if kept else ""),
                       _status(not absent, True)))
     rows += core_package_rows(lock, installed)
+    rows.append(check_torchtitan_api(Environment("the image")))
     missing = compat.missing_internals(compat.internals_for(target))
     shown = ", ".join(missing[:3]) + (f" … ({len(missing)} in all)" if len(missing) > 3 else "")
-    rows.append(Check("torchtitan internals", f"those of torchtitan {compat.EXPECTED_TORCHTITAN} the pipeline uses",
+    rows.append(Check("torchtitan internals", f"those of torchtitan {compat.WRITTEN_AGAINST} the pipeline uses",
                       f"torchtitan {compat.torchtitan_version()}: " + (f"missing {shown}" if missing else "all present"),
                       _status(not missing, True)))
     if target == "trn2":

@@ -23,7 +23,9 @@ from pathlib import Path
 
 MAIN = "main"
 V030 = "0.3.0"
+UNKNOWN = "unknown"
 DESCRIPTION = {
+    UNKNOWN: "neither API this pipeline knows (no torchtitan/config/configs.py)",
     V030: "torchtitan 0.3.0 API ([B, L] batches, HuggingFaceTextDataLoader)",
     MAIN: "upstream torchtitan main API of 2026-08-20 or later, as torchtitan-neuron "
           "([T] folded batches, max_context_length, Grain data loader)",
@@ -32,15 +34,21 @@ DESCRIPTION = {
 
 @functools.cache
 def variant() -> str:
-    """`main` when torchtitan's TrainingConfig has `max_context_length` (#4121), else `0.3.0`.
-
-    Read from the source of torchtitan/config/configs.py so the launcher and doctor need not import
-    torch; inside a rank `variant_of_imported()` asks the class itself and must agree."""
+    """The installed torchtitan's API (see variant_at)."""
     spec = importlib.util.find_spec("torchtitan")
     if spec is None or spec.origin is None:
         raise ModuleNotFoundError("torchtitan is not installed")
-    source = (Path(spec.origin).parent / "config" / "configs.py").read_text()
-    return MAIN if "max_context_length:" in source else V030
+    return variant_at(Path(spec.origin).parent)
+
+
+def variant_at(package_dir: Path) -> str:
+    """`main` when the torchtitan package at `package_dir` declares `training.max_context_length` (#4121),
+    else `0.3.0`. Read from the source of its config/configs.py, so the launcher and doctor need not
+    import torch; inside a rank `variant_of_imported()` asks the class itself and agrees."""
+    configs = Path(package_dir) / "config" / "configs.py"
+    if not configs.is_file():
+        return UNKNOWN  # neither API (an older torchtitan, or a fork laid out otherwise)
+    return MAIN if "max_context_length:" in configs.read_text() else V030
 
 
 def variant_of_imported() -> str:
