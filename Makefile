@@ -56,6 +56,7 @@ BENCH_REPEATS|2|bench: repeats per measurement
 BENCH_ONLY|all|bench: comma-separated sections
 PYTHON|$(PYTHON)|the Python that builds .venv (3.11 or newer)
 VENV|$(VENV)|the virtual environment
+TITAN_MAIN_WHEEL|$(TITAN_MAIN_WHEEL)|test-titan-main: the upstream torchtitan main wheel (../shared/wheels)
 endef
 export VARIABLES
 # Variables of other tools that users set on the command line too: passed through to the stages (and
@@ -79,6 +80,10 @@ $(foreach v,$(BOOL_VARS),$(if $(filter-out 1 0 true false yes no,$($(v))),$(erro
 on = $(filter 1 true yes,$($(1)))
 
 PY := $(VENV)/bin/python
+TITAN_MAIN_WHEEL ?= ../shared/wheels/torchtitan-main-2026-08-21/torchtitan-0.2.2-py3-none-any.whl
+# The upstream-main tier's venv: the dev venv's packages beneath it (a .pth line), with torchtitan main
+# and Grain installed in it, which come first on sys.path: no second 6 GB venv.
+TITAN_MAIN_VENV := .venv-titan-main
 # Where the stages keep models and runs (the stages read PIPELINE_CHECKPOINTS too); clean/distclean act there.
 CHECKPOINTS := $(or $(PIPELINE_CHECKPOINTS),checkpoints)
 TRAIN_FLAGS = --model $(MODEL) $(if $(TARGET),--target $(TARGET)) $(if $(STEPS),--steps $(STEPS)) \
@@ -95,7 +100,8 @@ TRAIN_DEPS := $(if $(call on,DRY_RUN),,download data)
 EMBEDDED_MODELS := tiny tiny-moe
 
 .PHONY: help setup python-check download data train-hf train-native train-nki export verify-checkpoint \
-        verify-kernels report image push doctor launch-slurm launch-eks rehearse pipeline test test-fast bench clean distclean
+        verify-kernels report image push doctor launch-slurm launch-eks rehearse pipeline test test-fast \
+        setup-titan-main test-titan-main bench clean distclean
 
 help: ## list the targets and variables
 	@echo "targets:"
@@ -182,10 +188,26 @@ pipeline: setup ## the whole pipeline on the embedded defaults (tiny and tiny-mo
 	done
 
 test: setup ## the whole test suite, as CI runs it (CPU only; trains tiny models, rehearses the trn2 plan)
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q --durations=15 -m "not titan_e2e" tests
 
 test-fast: setup ## the fast tier: everything that does not train or build images (about a minute)
 	$(PY) -m pytest -q -m "not slow" tests
+
+setup-titan-main: $(TITAN_MAIN_VENV)/.installed ## the upstream torchtitan main venv of test-titan-main (from TITAN_MAIN_WHEEL)
+$(TITAN_MAIN_VENV)/.installed: requirements-titan-main.lock $(VENV)/.installed
+	@test -f "$(TITAN_MAIN_WHEEL)" || { echo "error: no upstream torchtitan main wheel at $(TITAN_MAIN_WHEEL). Fix: pass TITAN_MAIN_WHEEL=<the wheel from ../shared/wheels>."; exit 2; }
+	@sums="$$(dirname "$$(dirname "$(TITAN_MAIN_WHEEL)")")/SHA256SUMS"; if [ -f "$$sums" ]; then \
+	  (cd "$$(dirname "$$sums")" && grep " $$(basename "$$(dirname "$(TITAN_MAIN_WHEEL)")")/$$(basename "$(TITAN_MAIN_WHEEL)")$$" SHA256SUMS | sha256sum -c --quiet -) \
+	  || { echo "error: $(TITAN_MAIN_WHEEL) does not match $$sums. Fix: take the wheel as ../shared/wheels has it."; exit 2; }; fi
+	rm -rf $(TITAN_MAIN_VENV)
+	$(PYTHON) -m venv $(TITAN_MAIN_VENV)
+	$(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' > "$$($(TITAN_MAIN_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz-dev-venv.pth"
+	$(TITAN_MAIN_VENV)/bin/python -m pip install -q --disable-pip-version-check -r requirements-titan-main.lock
+	$(TITAN_MAIN_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps "$(TITAN_MAIN_WHEEL)"
+	touch $@
+
+test-titan-main: setup-titan-main ## the fast tier plus every path's 2-step train → export → verify, on upstream torchtitan main
+	$(TITAN_MAIN_VENV)/bin/python -m pytest -q --durations=5 -m "not slow or titan_e2e" tests
 
 bench: setup ## measure overhead, time to first step, scaling, export/verify, memory → bench/results.json
 	BENCH_REPEATS=$(BENCH_REPEATS) BENCH_ONLY=$(BENCH_ONLY) $(PY) bench/run.py

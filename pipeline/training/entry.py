@@ -199,6 +199,7 @@ def run(spec: RunSpec, rank: int) -> None:
     from torchtitan.tools.logging import init_logger, logger
 
     init_logger()
+    logger.info(f"torchtitan API: {api.variant_of_imported()}")  # which of the two (titan.api) this rank runs on
     from pipeline.titan.trainer import TIMINGS
 
     TIMINGS.update(entry=ENTERED, imported=time.time(), threads=torch.get_num_threads())
