@@ -17,6 +17,8 @@ sequence shards between blocks and full sequences inside attention, collectives 
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, fields, replace
 
 from pipeline.checkpoint.arch import Qwen3Arch
@@ -136,16 +138,17 @@ def _sharded(placement: str) -> bool:
 
 
 def _seq(record: dict, module: str, io: str = "input") -> int | None:
-    """The local sequence length (dim 1) of what `module` took in or gave out on this rank."""
+    """The local tokens of the activation `module` took in or gave out on this rank: every dim but the
+    feature dim, so [B, L, D] on torchtitan 0.3.0 and [T, D] packed tokens on main count alike (titan.api)."""
     seen = record["step"]["modules"].get(module, {}).get(io)
-    return seen["local_shape"][1] if seen and len(seen["local_shape"]) > 1 else None
+    return math.prod(seen["local_shape"][:-1]) if seen and len(seen["local_shape"]) > 1 else None
 
 
 def check_plan(settings: TrainSettings, arch: Qwen3Arch, landmarks: registry.PlanLandmarks,
                records: list[dict]) -> list[Check]:
     """Whether every rank ran the plan in `settings`, from its plan/rank<N>.json."""
     checks: list[Check] = []
-    tp, world, seq = settings.tensor_parallel, settings.world_size, settings.seq_len
+    tp, world, seq = settings.tensor_parallel, settings.world_size, settings.seq_len * settings.local_batch_size
     if len(records) != world:
         return [Check("ranks", False, f"{len(records)} plan records for {world} ranks")]
 
@@ -200,7 +203,7 @@ def check_plan(settings: TrainSettings, arch: Qwen3Arch, landmarks: registry.Pla
     checks.append(Check("compile", compiled == (blocks if settings.compile else set()),
                         f"compile={settings.compile} ({settings.compile_backend}): compiled {sorted(compiled) or 'none'}"))
 
-    # Sequence shards: between blocks the residual stream holds seq/tp positions per rank under SP
+    # Sequence shards (in tokens: local batch × seq_len): between blocks the residual stream holds seq/tp per rank under SP
     # (the full seq without); attention and the output projection see the full sequence. Modules
     # inside compiled blocks are not hooked (see plan_probe), so there only the model's ends show.
     local = seq // tp if settings.sequence_parallel else seq
@@ -224,6 +227,6 @@ def check_plan(settings: TrainSettings, arch: Qwen3Arch, landmarks: registry.Pla
         comms_text = f"step-1 collectives on tp {tp_comms[0]} (rank 0), expected all-reduces and no reduce-scatter"
     checks.append(Check("sequence parallel" if settings.sequence_parallel else "tensor parallel activations",
                         shapes_ok and comms_ok,
-                        "local sequence length: " + ", ".join(f"{m} {io} {'/'.join(map(str, v))}" for (m, io), v in seen.items())
+                        "local tokens: " + ", ".join(f"{m} {io} {'/'.join(map(str, v))}" for (m, io), v in seen.items())
                         + f" (expected {local} between blocks, {seq} in attention and the head); {comms_text}"))
     return checks
