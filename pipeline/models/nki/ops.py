@@ -133,10 +133,14 @@ def router_reference(x_TH: torch.Tensor, w_EH: torch.Tensor, top_k: int) -> tupl
 def router_tiled(x_TH: torch.Tensor, w_HE: torch.Tensor, top_k: int, kernel, max_tokens: int = ROUTER_MAX_TOKENS):
     """router_topk is built for T ≤ 2048 (router_topk.py docstring; it keeps x and its float32
     intermediates for all T in SBUF): longer inputs go through it in chunks of ≤ max_tokens tokens.
-    `kernel(x_chunk, w_HE, top_k)` returns float32 logits and uint32 ids."""
+    `kernel(x_chunk, w_HE, top_k)` returns what router_topk writes: float32 logits, uint32 ids and
+    the affinities. The op's contract is logits and ids: the router's scores are softmax(logits)
+    in float32 (torchtitan's), and nki-library describes the affinities two ways (the full softmax in
+    router_topk_torch.py; the top-k scattered over E in router_topk.py's pseudocode), so they are
+    not read."""
     logits, ids = [], []
     for start in range(0, x_TH.shape[0], max_tokens):
-        chunk_logits, chunk_ids = kernel(x_TH[start:start + max_tokens].contiguous(), w_HE, top_k)
+        chunk_logits, chunk_ids, _affinities = kernel(x_TH[start:start + max_tokens].contiguous(), w_HE, top_k)
         logits.append(chunk_logits)
         ids.append(chunk_ids.to(torch.int64))
     return torch.cat(logits), torch.cat(ids)
