@@ -71,3 +71,40 @@ def test_hf_path_keeps_experts_whole_on_each_tp_rank():
     assert hf.parts["parameters"] > 3 * native.parts["parameters"]
     with pytest.raises(PipelineError, match="native path"):
         memory.check(arch, _trn2("hf"), "hf", "trn2")
+
+
+def test_the_estimate_reads_each_paths_own_tp_plan():
+    """One source (issue 17, 3.4): the estimate takes what TP shards from the path's registry entry. The
+    hf path's plan shards the embedding and lm_head (vocab-parallel loss) and runs sequence parallelism
+    like native's, so a dense model needs the same on both (4B on hf: 14.9 GiB from the old table)."""
+    arch = _arch("Qwen3-4B-Instruct-2507")
+    hf = memory.estimate(arch, _trn2("hf"), "hf", "trn2")
+    native = memory.estimate(arch, _trn2(), "native", "trn2")
+    assert hf.parts == pytest.approx(native.parts) and hf.total < 6 * GIB
+    for path in registry.names():
+        plan = memory.plan_for(path, _trn2(path))
+        assert plan.tp_sharded == registry.get(path).tp_plan.sharded
+        assert plan.sequence_parallel and plan.vocab_parallel_loss == registry.get(path).tp_plan.vocab_parallel_loss
+    assert not memory.plan_for("hf", _trn2("hf", tensor_parallel=1)).sequence_parallel
+
+
+def test_hf_registry_plan_is_the_plan_hf_py_applies():
+    """The hf entry's TensorParallelPlan against models/hf.py's ParallelStyles: a part is sharded exactly
+    when its modules get a Colwise/Rowwise style (the rest are replicated on every tp rank)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from pipeline.models import hf
+
+    declared = registry.get("hf").tp_plan
+    styles = {**hf.root_tp_plan(True), **hf.layer_tp_plan(True, is_moe=False)}
+    moe_styles = hf.layer_tp_plan(True, is_moe=True)
+    modules = {"attention": [styles[f"self_attn.{p}_proj"] for p in "qkvo"],
+               "mlp": [styles[f"mlp.{p}_proj"] for p in ("gate", "up", "down")],
+               "experts": [moe_styles["mlp.experts"]], "router": [moe_styles["mlp.gate"]],
+               "embedding": [styles["model.embed_tokens"]], "lm_head": [styles["lm_head"]]}
+    for part, part_styles in modules.items():
+        sharded = all(isinstance(s, (ColwiseParallel, RowwiseParallel)) for s in part_styles)
+        assert sharded == (part in declared.sharded), part
+    assert declared.sequence_parallel and "model.norm" in styles and "self_attn" in styles  # SP's gathers
+    assert declared.vocab_parallel_loss and styles["lm_head"].output_layouts == (Shard(-1),)  # vocab-sharded logits

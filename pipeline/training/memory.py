@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from pipeline.checkpoint.arch import Qwen3Arch
 from pipeline.errors import PipelineError
+from pipeline.models import registry
 from pipeline.run.settings import TrainSettings
 
 GIB = 2**30
@@ -41,7 +42,7 @@ def capacity_per_rank(target: str, lnc: int) -> int | None:
 
 @dataclass(frozen=True)
 class Plan:
-    """Which parameter groups TP shards, and what the path does with activations."""
+    """The path's tensor-parallel plan (its registry entry's TensorParallelPlan) under these settings."""
 
     tp_sharded: tuple[str, ...]  # parts of Qwen3Arch.param_counts() that TP divides
     sequence_parallel: bool
@@ -49,14 +50,10 @@ class Plan:
 
 
 def plan_for(path: str, settings: TrainSettings) -> Plan:
+    declared = registry.get(path).tp_plan
     tp = settings.tensor_parallel
-    if path == "hf":
-        # models/hf.py's TP plan: attention and the dense MLP only; embeddings, norms, router and experts
-        # stay whole on every TP rank, and it has no sequence parallelism.
-        return Plan(("attention", "mlp"), False, False)
-    # torchtitan's Qwen3 sharding (models/qwen3/sharding.py): attention, dense FFN, routed experts
-    # (on their hidden dim), embedding and lm_head (vocab); norms and the router replicated.
-    return Plan(("attention", "mlp", "experts", "embedding", "lm_head"), settings.sequence_parallel and tp > 1, True)
+    return Plan(declared.sharded, declared.sequence_parallel and settings.sequence_parallel and tp > 1,
+                declared.vocab_parallel_loss)
 
 
 @dataclass
@@ -152,9 +149,11 @@ def check(arch: Qwen3Arch, settings: TrainSettings, path: str, target: str) -> M
     result = estimate(arch, settings, path, target)
     if not result.fits:
         largest = max(result.parts, key=result.parts.get)
-        # The hf path's TP plan leaves MoE experts and the embeddings whole on every TP rank.
-        other_path = "train it on the native path (its TP plan shards experts and embeddings), or " \
-            if path == "hf" and arch.is_moe else ""
+        other_path = ""
+        if arch.is_moe and "experts" not in plan_for(path, settings).tp_sharded:
+            # this path's TP plan leaves the experts whole on every TP rank: name a path whose plan does not
+            sharding = [p for p in registry.names() if "experts" in registry.get(p).tp_plan.sharded]
+            other_path = f"train it on the {sharding[0]} path (its TP plan shards the experts), or " if sharding else ""
         raise PipelineError(
             f"the {path} path needs ~{result.total / GIB:.1f} GiB per rank, more than the {result.usable / GIB:.1f} GiB "
             f"usable of the {result.capacity / GIB:.0f} GiB a rank has on {target} at LNC={settings.lnc} (largest: "
