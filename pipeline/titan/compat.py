@@ -145,6 +145,12 @@ def all_partial_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZ
 TITAN_DATASETS = {"c4": "allenai/c4", "c4_test": "tests/assets/c4_test", "c4_validation": "allenai/c4"}
 
 
+def training_context_field(training_config) -> str:
+    """The name of TrainingConfig's sequence length: `seq_len` in 0.3.0, `max_context_length` in upstream
+    main since 2026-08-19/20 (the rename; ../shared/wheels/README)."""
+    return "max_context_length" if hasattr(training_config, "max_context_length") else "seq_len"
+
+
 def apply_titan_args(config, args: list[str]):
     """torchtitan's own CLI flags (`--training.steps 5`) over a built Trainer.Config, parsed by the
     parser `torchtitan.train` uses (tyro with torchtitan's registry of custom rules). An unknown or
