@@ -10,7 +10,6 @@ import pytest
 
 from pipeline.__main__ import main
 from pipeline.errors import PipelineError
-from pipeline.training import titan_flags
 from pipeline.training.resolve import RunRequest, resolve
 
 
@@ -58,7 +57,7 @@ def test_folded_flags_become_the_settings_the_checks_read(tmp_path):
 def test_every_owned_field_exists_in_torchtitans_config(tmp_path):
     """The table names real fields of the installed torchtitan (a renamed field would silently stop
     being checked)."""
-    from pipeline.training import entry
+    from pipeline.training import entry, titan_flags
 
     spec = _resolve(tmp_path)
     config = entry.build_config(spec)
