@@ -76,6 +76,10 @@ class TrainingPath:
     prepare: Callable[[RunSpec, bool], None] | None = None  # launcher side (spec, dry_run); no torch
     landmarks: PlanLandmarks = NATIVE_LANDMARKS
     tp_plan: TensorParallelPlan = NATIVE_TP_PLAN
+    # Whether its MoE experts' backward is the blockwise reference's, computed block by block with
+    # weight-sized accumulators (models/nki/layout.py, moe_cte_reference_backward): the memory
+    # estimate adds that working set.
+    blockwise_experts_backward: Callable[[TrainSettings], bool] = lambda settings: False
     colour: str = "tab:gray"  # report: fixed per path so a path keeps its look from report to report
     line: tuple[str, str] = ("-", "o")
 
@@ -143,6 +147,7 @@ PATHS: dict[str, TrainingPath] = {
         # names, checkpoints and the export stay native's.
         TrainingPath("nki", "native Qwen3 with NKI kernels (RoPE, MoE) via torchtitan's override registry", _native,
                      overrides=_nki_overrides, prepare=_prepare_nki,
+                     blockwise_experts_backward=lambda settings: "moe" in settings.nki_overrides,
                      colour="tab:green", line=(":", "^")),
     )
 }

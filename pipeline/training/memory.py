@@ -5,9 +5,10 @@ First-order, from the architecture and the parallel plan alone (no torch): param
 AdamW's two float32 states, all three sharded by FSDP over the data-parallel ranks and by TP where the
 path's plan shards them; FSDP's working set (one unit all-gathered in the compute dtype, the next
 prefetched, and one unit's unsharded float32 gradients); activations at the chosen checkpointing,
-sequence length and local batch; the logits and the float32 log-softmax of the loss. Not modelled:
-the runtime's and collectives' own buffers, compiler scratch and allocator fragmentation — hence
-HEADROOM. tests/test_training_memory.py and bench/memory_estimate.py compare it with measured peaks.
+sequence length and local batch; the logits and the float32 log-softmax of the loss; where a path's
+MoE experts backward runs block by block (nki), its working set (experts_backward_bytes). Not
+modelled: the runtime's and collectives' own buffers, compiler scratch and allocator fragmentation —
+hence HEADROOM. tests/test_training_memory.py and bench/memory_estimate.py compare it with measured peaks.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from pipeline.checkpoint.arch import Qwen3Arch
 from pipeline.errors import PipelineError
 from pipeline.models import registry
+from pipeline.models.nki.constraints import MOE_BLOCK_SIZE
 from pipeline.run.settings import TrainSettings
 
 GIB = 2**30
@@ -139,9 +141,25 @@ def estimate(arch: Qwen3Arch, settings: TrainSettings, path: str, target: str) -
     # the float32 log-softmax, and in backward the float32 gradients of both (measured on CPU, fp32:
     # 4 vocab-sized float32 tensors alive at the peak).
     parts["logits"] = tokens * vocab * (compute + 12)
+    if arch.is_moe and registry.get(path).blockwise_experts_backward(settings):
+        tp_e = tp if "experts" in plan.tp_sharded else 1
+        parts["experts backward"] = experts_backward_bytes(
+            arch.layer_params()["experts"] / tp_e, tokens * arch.num_experts_per_tok, arch.hidden_size,
+            arch.moe_intermediate_size / tp_e, compute)
     notes = [f"TP {tp} × FSDP {dp}; {'SP; ' if plan.sequence_parallel else ''}activation checkpointing "
              f"{settings.activation_checkpoint}; seq_len {settings.seq_len} × local batch {settings.local_batch_size}"]
     return MemoryEstimate(parts, capacity_per_rank(target, settings.lnc), notes)
+
+
+def experts_backward_bytes(expert_params: float, rows: float, hidden: int, inter: float, compute: int,
+                           block_size: int = MOE_BLOCK_SIZE) -> float:
+    """Working set of one MoE layer's blockwise experts backward (models/nki/layout.py,
+    moe_cte_reference_backward) beyond its inputs: gradient accumulators for the layer's expert weights
+    and for x in the compute dtype (the gradients it returns), x and the incoming gradient padded with
+    moe_cte's zero row, and one block's weights and activations. Measured on CPU by
+    tests/test_training_memory.py."""
+    block = compute * (4 * hidden * inter + block_size * (3 * hidden + 8 * inter))
+    return compute * expert_params + 3 * compute * (rows + 1) * hidden + block
 
 
 def check(arch: Qwen3Arch, settings: TrainSettings, path: str, target: str) -> MemoryEstimate:
