@@ -195,3 +195,25 @@ def test_nki_moe_estimate_counts_the_experts_backward():
     assert 2 * layer_experts <= nki.parts["experts backward"] <= 2 * layer_experts + GIB  # bf16 accumulators
     no_moe_kernel = memory.estimate(arch, _trn2("nki", nki_overrides=["rope"]), "nki", "trn2")
     assert "experts backward" not in no_moe_kernel.parts
+
+
+def test_a_plan_that_fits_is_chosen_and_said_when_the_configured_one_does_not():
+    """issue 17, 3.6: the configured plan when it fits; else the first of the pipeline's candidates that
+    does (smaller TP degrees, full activation checkpointing), with a line naming it; else a refusal
+    naming the node count on which one fits."""
+    arch = _arch("Qwen3-30B-A3B")
+    native = _trn2()
+    assert memory.fit(arch, native, "native", "trn2") == (native, None)
+    two_nodes = _trn2("hf", nnodes=2)
+    chosen, note = memory.fit(arch, two_nodes, "hf", "trn2")
+    assert (chosen.tensor_parallel, chosen.activation_checkpoint, chosen.nnodes) == (4, "full", 2)
+    assert memory.check(arch, chosen, "hf", "trn2").fits and "the pipeline chose TP 4 × FSDP 32" in note
+    one_node = _trn2("hf")
+    assert memory.fit(arch, one_node, "hf", "trn2") == (one_node, None)
+    tp1_full = memory.estimate(arch, replace(one_node, tensor_parallel=1, activation_checkpoint="full"), "hf", "trn2")
+    assert 21.6 * GIB < tp1_full.total < 23 * GIB  # the smallest one-node plan, just over the usable 90 %
+    with pytest.raises(PipelineError, match=r"fits on 1 node\(s\)\. Fix: .*NNODES=2 \(the pipeline then chooses"):
+        memory.check(arch, one_node, "hf", "trn2")
+    # the candidates keep a data_parallel_shard the config fixed: TP then stays as configured
+    fixed = [c.tensor_parallel for c in memory.plan_candidates(_trn2(data_parallel_shard=16))]
+    assert fixed == [4, 4] and [c.tensor_parallel for c in memory.plan_candidates(native)] == [4, 4, 2, 2, 1, 1]

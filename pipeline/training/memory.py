@@ -13,7 +13,7 @@ hence HEADROOM. tests/test_training_memory.py and bench/memory_estimate.py compa
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pipeline.checkpoint.arch import Qwen3Arch
 from pipeline.errors import PipelineError
@@ -162,6 +162,53 @@ def experts_backward_bytes(expert_params: float, rows: float, hidden: int, inter
     return compute * expert_params + 3 * compute * (rows + 1) * hidden + block
 
 
+def plan_candidates(settings: TrainSettings):
+    """The plans the pipeline may choose instead of the configured one, in order of preference: the
+    configured TP degree, then each smaller divisor of it (each still divides the ranks, the heads and
+    the sequence, which the configured degree was checked to do), each with the configured activation
+    checkpointing and then with "full". TP is only changed where FSDP takes every remaining rank."""
+    degrees = [d for d in range(settings.tensor_parallel, 0, -1) if settings.tensor_parallel % d == 0]
+    if settings.data_parallel_shard != -1:
+        degrees = degrees[:1]
+    modes = dict.fromkeys((settings.activation_checkpoint, "full"))
+    for degree in degrees:
+        for mode in modes:
+            yield replace(settings, tensor_parallel=degree, activation_checkpoint=mode)
+
+
+def fit(arch: Qwen3Arch, settings: TrainSettings, path: str, target: str) -> tuple[TrainSettings, str | None]:
+    """The configured settings when their plan fits (or the target's capacity is not estimated against),
+    else the first of plan_candidates that fits, with a line saying what was chosen and why; the
+    configured settings again when none fits (check() then refuses)."""
+    configured = estimate(arch, settings, path, target)
+    if configured.fits:
+        return settings, None
+    for candidate in plan_candidates(settings):
+        result = estimate(arch, candidate, path, target)
+        if result.fits:
+            return candidate, (f"the configured plan ({configured.notes[0]}) needs ~{configured.total / GIB:.1f} GiB per "
+                               f"rank, over the {configured.usable / GIB:.1f} GiB usable on {target}; the pipeline "
+                               f"chose {result.notes[0]} (~{result.total / GIB:.1f} GiB).")
+    return settings, None
+
+
+def _more_nodes(arch: Qwen3Arch, settings: TrainSettings, path: str, target: str) -> str:
+    """'NNODES=n (…), or ' for the fewest nodes (up to 16× these) on which a candidate plan fits, or ''."""
+    for nodes in (settings.nnodes * k for k in (2, 4, 8, 16)):
+        more, _ = fit(arch, replace(settings, nnodes=nodes), path, target)
+        result = estimate(arch, more, path, target)
+        if result.fits:
+            return f"run on NNODES={nodes} (the pipeline then chooses {result.notes[0]}: ~{result.total / GIB:.1f} GiB), or "
+    return ""
+
+
+def _smaller_plan(arch: Qwen3Arch, settings: TrainSettings, path: str, target: str) -> str:
+    chosen, _ = fit(arch, settings, path, target)
+    if chosen is settings:
+        return f", and no smaller TP degree or activation checkpointing mode fits on {settings.nnodes} node(s)"
+    return f"; {estimate(arch, chosen, path, target).notes[0]} would fit"
+
+
 def check(arch: Qwen3Arch, settings: TrainSettings, path: str, target: str) -> MemoryEstimate:
     """The estimate, or a one-line refusal when it cannot fit the device."""
     result = estimate(arch, settings, path, target)
@@ -175,9 +222,9 @@ def check(arch: Qwen3Arch, settings: TrainSettings, path: str, target: str) -> M
         raise PipelineError(
             f"the {path} path needs ~{result.total / GIB:.1f} GiB per rank, more than the {result.usable / GIB:.1f} GiB "
             f"usable of the {result.capacity / GIB:.0f} GiB a rank has on {target} at LNC={settings.lnc} (largest: "
-            f"{largest} {result.parts[largest] / GIB:.1f} GiB; {result.notes[0]}).",
-            f"{other_path}raise tensor_parallel (within a chip) or the number of nodes, lower SEQ_LEN or "
-            'local_batch_size, or set activation_checkpoint = "full".')
+            f"{largest} {result.parts[largest] / GIB:.1f} GiB; {result.notes[0]}){_smaller_plan(arch, settings, path, target)}.",
+            f"{other_path}{_more_nodes(arch, settings, path, target)}lower SEQ_LEN or local_batch_size, or raise "
+            "tensor_parallel (within a chip).")
     return result
 
 

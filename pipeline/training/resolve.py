@@ -72,6 +72,9 @@ def resolve(request: RunRequest) -> RunSpec:
         check_titan_args(spec)
     check_parallelism(spec)
     check_device_choices(spec)
+    spec.settings, chosen = memory.fit(spec.arch, spec.settings, spec.path, spec.target)
+    if chosen:  # a plan that fits instead of the configured one, said where the dry run shows it
+        print(f"note: {chosen}", file=sys.stderr, flush=True)
     if path.prepare is not None:
         path.prepare(spec, request.dry_run)  # the path's own rules (kernel constraints) first: they name the fix
     spec.memory = memory.check(spec.arch, spec.settings, spec.path, spec.target).to_dict()
