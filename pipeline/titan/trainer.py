@@ -53,12 +53,13 @@ class JsonlMetricsProcessor(MetricsProcessor):
         """Qwen3Arch.flops_per_token(seq_len): the same count whatever path implements the model
         (0: the model config's own get_nparams_and_flops)."""
 
+    logged_peak_memory_gib = 0.0  # the largest peak any logged step read (log() raises it per instance)
+
     def __init__(self, config: Config, **kwargs):
         super().__init__(config, **kwargs)
         self.gpu_peak_flops = config.peak_flops_per_rank or measure_cpu_peak_flops()
         self.is_writer = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
         self.world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        self.logged_peak_memory_gib = 0.0  # the largest peak any logged step read
 
     def run_peak_memory_gib(self) -> float:
         """The run's peak memory per the device memory monitor, the one every read goes through (on trn2
