@@ -136,7 +136,8 @@ def fold(spec: RunSpec) -> TrainSettings:
 
 def summary(before: TrainSettings, after: TrainSettings) -> str | None:
     """One line naming what TITAN_ARGS changed in the settings (printed by the dry run), or None."""
-    names = [f"{name} {getattr(before, name)!r} → {getattr(after, name)!r}"
+    how = {owned.setting: owned.how for owned in FOLDED}
+    names = [f"{name} {getattr(before, name)!r} → {getattr(after, name)!r} ({how.get(name, 'CONFIG')} next time)"
              for name in settings_mod.to_dict(after) if getattr(before, name) != getattr(after, name)]
     return f"TITAN_ARGS folded into the settings (the checks and the estimate use them): {', '.join(names)}" \
         if names else None
