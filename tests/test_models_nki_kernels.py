@@ -72,7 +72,12 @@ def nki_stand_ins(monkeypatch):
                 return lambda *a, **kw: None
         return Caller()
 
-    language = types.SimpleNamespace(ndarray=lambda shape, dtype, buffer: Array(tuple(shape), dtype, buffer),
+    def ndarray(shape, dtype, buffer):
+        array = Array(tuple(shape), dtype, buffer)
+        calls.setdefault("allocated", []).append(array)
+        return array
+
+    language = types.SimpleNamespace(ndarray=ndarray,
                                      float32="float32", uint32="uint32", shared_hbm="shared_hbm")
     modules = {
         "nki": types.SimpleNamespace(jit=jit, language=language),
@@ -98,12 +103,16 @@ def test_router_topk_is_jitted_through_a_wrapper_that_allocates_its_outputs(nki_
     neuron_kernels, calls = nki_stand_ins
     entry = neuron_kernels.router_topk_kernel
     assert isinstance(entry, Kernel)  # nki-library's router_topk is a plain function; wrap_nki needs nki.jit
-    logits, index = entry.func(Array((2048, 512), "bfloat16"), Array((512, 64), "bfloat16"), 8, True)
+    returned = entry.func(Array((2048, 512), "bfloat16"), Array((512, 64), "bfloat16"), 8, True)
     got = calls["router_topk"]
-    assert got["router_logits"] is logits and got["expert_index"] is index
+    # every buffer the wrapper allocates is an output router_topk writes, and all of them are
+    # returned, in router_topk's own order (issue 17, 3.2: the affinities were allocated, not returned)
+    logits, index, affinities = returned
+    assert got["router_logits"] is logits and got["expert_index"] is index and got["expert_affinities"] is affinities
+    assert sorted(map(id, calls["allocated"])) == sorted(map(id, returned))
     assert (logits.shape, logits.dtype, logits.buffer) == ((2048, 64), "float32", "shared_hbm")
     assert (index.shape, index.dtype) == ((2048, 8), "uint32")  # the kernel's index dtype, as in nki-library's test
-    assert got["expert_affinities"].dtype == "bfloat16" and got["w_bias"] is None
+    assert (affinities.shape, affinities.dtype) == ((2048, 64), "bfloat16") and got["w_bias"] is None
     assert got["act_fn"] is RouterActFnType.SOFTMAX and got["k"] == 8 and got["router_pre_norm"]
     assert got["x_hbm_layout"] == 1 and got["shard_on_tokens"]  # x as [T, H]; tokens split over LNC=2
 

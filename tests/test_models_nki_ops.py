@@ -170,7 +170,7 @@ class StandInKernels:
         assert shard_on_tokens == (x.shape[0] % 2 == 0)  # LNC=2 (unset) splits tokens when it can
         self.calls.append(("router_topk", x.shape[0]))
         logits, ids = ops.router_reference(x, w.T, k)
-        return logits, ids.to(torch.uint32)
+        return logits, ids.to(torch.uint32), torch.softmax(logits, -1).to(x.dtype)  # router_topk's three outputs
 
     def moe_cte_shard_on_i(self, *, block_size, **inputs):
         assert block_size == MOE_BLOCK_SIZE
@@ -247,7 +247,7 @@ def test_router_topk_kernel_matches_reference_in_simulator():
 
     x, w = (t.detach() for t in router_inputs(tokens=256))
     x, w = torch.nn.functional.pad(x, (0, 112)), torch.nn.functional.pad(w, (0, 112))  # H a multiple of 128
-    logits, index = nki.simulate(neuron_kernels.router_topk_kernel[2])(x, w.T.contiguous(), 2, True)
+    logits, index, _affinities = nki.simulate(neuron_kernels.router_topk_kernel[2])(x, w.T.contiguous(), 2, True)
     want_logits, want_ids = ops.router_reference(x, w, 2)
     torch.testing.assert_close(torch.as_tensor(logits), want_logits, atol=1e-4, rtol=1e-4)
     assert torch.equal(torch.as_tensor(index).long().sort(1).values, want_ids.sort(1).values)

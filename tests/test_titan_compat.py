@@ -89,12 +89,13 @@ def test_bad_flag_refuses_before_launch(tiny_root):
 
 
 def test_training_steps_flag_changes_what_runs(tiny_root):
-    """STEPS=3 asks for three steps; TITAN_ARGS='--training.steps 1' over it really runs one."""
+    """STEPS=3 asks for three steps; TITAN_ARGS='--training.steps 1' over it really runs one, and the
+    settings the checks read say so (folded before the checks: pipeline.training.titan_flags)."""
     ok(pipeline_cli("train", "--model", "tiny", "--path", "native", "--steps", "3", "--nproc-per-node", "1",
                     "--fresh", "--titan-args=--training.steps 1", root=tiny_root))
     run_dir = tiny_root / "tiny" / "runs" / "native"
     spec = json.loads((run_dir / "run.json").read_text())
-    assert spec["titan_args"] == ["--training.steps", "1"] and spec["settings"]["steps"] == 3
+    assert spec["titan_args"] == ["--training.steps", "1"] and spec["settings"]["steps"] == 1
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1]
     assert sorted(p.name for p in (run_dir / "checkpoint").iterdir()) == ["step-1"]  # the last step's save

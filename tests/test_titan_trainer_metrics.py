@@ -53,3 +53,14 @@ def test_mfu_uses_the_configured_flop_count(tmp_path):
     record = _logged(tmp_path, world=2, non_dp=1, ntokens=1000, elapsed=1.0, flops_per_token=3000)
     assert record["flops_per_token"] == 3000
     assert record["mfu"] == pytest.approx(100 * 3000 * record["tokens_per_s_per_rank"] / 1e9)
+
+
+def test_run_peak_memory_is_the_largest_read(tmp_path):
+    """memory.json's peak (issue 17, 3.1): every logged step's read counts, not only the last one's — the
+    monitor's peak restarts at each log."""
+    proc = _processor(tmp_path, world=1, non_dp=1, ntokens=10, elapsed=1.0)
+    proc.log(1, 3.0, 3.1, 0.5)  # reads 1.5
+    proc.device_memory_monitor = SimpleNamespace(get_peak_stats=lambda: SimpleNamespace(max_reserved_gib=0.25))
+    assert proc.run_peak_memory_gib() == 1.5
+    proc.device_memory_monitor = SimpleNamespace(get_peak_stats=lambda: SimpleNamespace(max_reserved_gib=2.0))
+    assert proc.run_peak_memory_gib() == 2.0

@@ -25,10 +25,13 @@ EXPECTED = {
     ("Qwen/Qwen3-4B-Instruct-2507", "hf"): None,
     ("Qwen/Qwen3-4B-Instruct-2507", "native"): None,
     ("Qwen/Qwen3-4B-Instruct-2507", "nki"): None,
-    # The hf path's TP plan leaves the 128 experts whole on each TP rank: ~28 GiB of parameters,
-    # gradients and AdamW state per rank under FSDP 16 alone, over a logical core's 24 GiB.
-    ("Qwen/Qwen3-30B-A3B", "hf"): r"the hf path needs ~\d+\.\d GiB per rank, more than the 21\.6 GiB usable .*"
-                                  r"train it on the native path",
+    # The hf path's TP plan leaves the 128 experts whole on each TP rank: ~27 GiB of parameters,
+    # gradients and AdamW state per rank under TP 4 × FSDP 16, over a logical core's 24 GiB; the
+    # pipeline's smallest one-node plan (TP 1 × FSDP 64, full checkpointing) needs ~22.3 GiB, over the
+    # 21.6 usable. Refused, naming the native path and the two-node plan that fits (test below).
+    ("Qwen/Qwen3-30B-A3B", "hf"): r"the hf path needs ~40\.5 GiB per rank, more than the 21\.6 GiB usable .*"
+                                  r"no smaller TP degree or activation checkpointing mode fits on 1 node.*"
+                                  r"train it on the native path.*NNODES=2 \(the pipeline then chooses TP 4 × FSDP 32",
     ("Qwen/Qwen3-30B-A3B", "native"): None,
     # Qwen3-30B-A3B's expert size 768 (192 per TP rank) is outside moe_cte's 2048..16384 (nki-library).
     ("Qwen/Qwen3-30B-A3B", "nki"): r"moe_cte: intermediate_per_tp_rank=192 must be in 2048\.\.16384",
@@ -62,3 +65,22 @@ def test_trn2_dry_run(model, path, tmp_path, monkeypatch, capsys):
         assert line.startswith("error: ") and " Fix: " in line
         assert re.search(expected, line), line
     assert list(tmp_path.rglob("*")) == []  # a dry run writes nothing
+
+
+def test_trn2_hf_moe_on_two_nodes_runs_the_plan_the_pipeline_chose(tmp_path, monkeypatch, capsys):
+    """Where the configured plan does not fit and another does, the dry run says which it chose and the
+    run is resolved with it (issue 17, 3.6): Qwen3-30B-A3B on hf, two trn2.48xlarge."""
+    monkeypatch.setenv("PIPELINE_CHECKPOINTS", str(tmp_path / "checkpoints"))
+    config = tmp_path / "two-nodes.toml"
+    config.write_text("[train]\nnnodes = 2\n")
+    code = main(["train", "--model", "Qwen/Qwen3-30B-A3B", "--path", "hf", "--target", "trn2", "--dry-run",
+                 "--config", str(config)])
+    out, err = capsys.readouterr()
+    assert code == 0, err[-2000:]
+    assert re.search(r"note: the configured plan \(TP 4 × FSDP 32; SP; activation checkpointing selective; .*\) needs "
+                     r"~\d+\.\d GiB per rank, over the 21\.6 GiB usable on trn2; the pipeline chose TP 4 × FSDP 32; SP; "
+                     r"activation checkpointing full", err), err
+    (estimate,) = [line for line in out.splitlines() if line.startswith("memory per rank (estimate)")]
+    total = float(re.search(r"([\d.]+) GiB of 24 GiB", estimate).group(1))
+    assert "activation checkpointing full" in estimate and total < 0.9 * 24
+    assert '"activation_checkpoint": "full"' in out and "--nnodes=2" in out

@@ -46,6 +46,28 @@ HF_LANDMARKS = PlanLandmarks(
 
 
 @dataclass(frozen=True)
+class TensorParallelPlan:
+    """What a path's tensor-parallel plan does, in the terms of Qwen3Arch.param_counts(): the parts
+    it divides over the tp ranks (the others stay whole on each), whether it runs sequence
+    parallelism when the settings ask for it, and whether its logits (and the loss) stay sharded over
+    the vocabulary. The memory estimate reads it (pipeline.training.memory); each path's tests
+    compare it with the plan the path applies (tests/test_training_memory.py)."""
+
+    sharded: tuple[str, ...]
+    sequence_parallel: bool
+    vocab_parallel_loss: bool
+
+
+# torchtitan's Qwen3 sharding (models/qwen3/sharding.py): attention, dense FFN, routed experts (on
+# their hidden dim), embedding and lm_head (vocab); norms and the router replicated.
+NATIVE_TP_PLAN = TensorParallelPlan(("attention", "mlp", "experts", "embedding", "lm_head"), True, True)
+# models/hf.py's root_tp_plan and layer_tp_plan: the same Megatron layout for attention, the dense MLP,
+# the embedding and lm_head (vocab-sharded logits, vocab-parallel loss) and sequence parallelism;
+# Qwen3-MoE's experts and router replicated (one fused tensor per projection, routed by index ops).
+HF_TP_PLAN = TensorParallelPlan(("attention", "mlp", "embedding", "lm_head"), True, True)
+
+
+@dataclass(frozen=True)
 class TrainingPath:
     name: str
     summary: str
@@ -53,6 +75,11 @@ class TrainingPath:
     overrides: Callable[[str, TrainSettings], tuple[str, ...]] = lambda target, settings: ()  # -> override.imports
     prepare: Callable[[RunSpec, bool], None] | None = None  # launcher side (spec, dry_run); no torch
     landmarks: PlanLandmarks = NATIVE_LANDMARKS
+    tp_plan: TensorParallelPlan = NATIVE_TP_PLAN
+    # Whether its MoE experts' backward is the blockwise reference's, computed block by block with
+    # weight-sized accumulators (models/nki/layout.py, moe_cte_reference_backward): the memory
+    # estimate adds that working set.
+    blockwise_experts_backward: Callable[[TrainSettings], bool] = lambda settings: False
     colour: str = "tab:gray"  # report: fixed per path so a path keeps its look from report to report
     line: tuple[str, str] = ("-", "o")
 
@@ -112,13 +139,15 @@ PATHS: dict[str, TrainingPath] = {
     p.name: p
     for p in (
         TrainingPath("hf", "Transformers v5's own Qwen3 (AutoModelForCausalLM from config.json) trained by torchtitan",
-                     _hf, prepare=_prepare_hf, landmarks=HF_LANDMARKS, colour="tab:blue", line=("-", "o")),
+                     _hf, prepare=_prepare_hf, landmarks=HF_LANDMARKS, tp_plan=HF_TP_PLAN, colour="tab:blue",
+                     line=("-", "o")),
         TrainingPath("native", "torchtitan's own Qwen3 (dense and MoE)", _native, overrides=_native_overrides,
                      colour="tab:orange", line=("--", "s")),
         # Same model as native: the NKI modules come in through override.imports, so parameter
         # names, checkpoints and the export stay native's.
         TrainingPath("nki", "native Qwen3 with NKI kernels (RoPE, MoE) via torchtitan's override registry", _native,
                      overrides=_nki_overrides, prepare=_prepare_nki,
+                     blockwise_experts_backward=lambda settings: "moe" in settings.nki_overrides,
                      colour="tab:green", line=(":", "^")),
     )
 }

@@ -75,7 +75,7 @@ def training_config(*, local_batch_size: int, seq_len: int, **common):
 
 
 def seq_len_of(training) -> int:
-    return training.max_context_length if folded_batch() else training.seq_len
+    return getattr(training, context_field())
 
 
 def tokens_per_rank_of(training) -> int:
@@ -215,3 +215,13 @@ def build_text_loader(loader_config, *, tokenizer, seq_len: int, local_batch_siz
                                    num_tokens_per_batch=local_batch_size * seq_len)
     return loader_config.build(dp_world_size=1, dp_rank=0, tokenizer=tokenizer, seq_len=seq_len,
                                local_batch_size=local_batch_size)
+
+
+def context_field() -> str:
+    """TrainingConfig's sequence length: `seq_len` (0.3.0), `max_context_length` (main)."""
+    return "max_context_length" if folded_batch() else "seq_len"
+
+
+def batch_field() -> str:
+    """TrainingConfig's per-rank batch: `local_batch_size` sequences (0.3.0), or tokens (main)."""
+    return "num_tokens_per_microbatch_per_dp_rank" if folded_batch() else "local_batch_size"

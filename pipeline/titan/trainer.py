@@ -53,11 +53,20 @@ class JsonlMetricsProcessor(MetricsProcessor):
         """Qwen3Arch.flops_per_token(seq_len): the same count whatever path implements the model
         (0: the model config's own get_nparams_and_flops)."""
 
+    logged_peak_memory_gib = 0.0  # the largest peak any logged step read (log() raises it per instance)
+
     def __init__(self, config: Config, **kwargs):
         super().__init__(config, **kwargs)
         self.gpu_peak_flops = config.peak_flops_per_rank or measure_cpu_peak_flops()
         self.is_writer = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
         self.world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+    def run_peak_memory_gib(self) -> float:
+        """The run's peak memory per the device memory monitor, the one every read goes through (on trn2
+        compat's SynchronizedMemoryMonitor: torch.neuron.synchronize() first): the largest logged step's,
+        or one more read now if larger (the monitor's peak restarts at every log, so a read at the end
+        alone would see only what ran after the last logged step)."""
+        return max(self.logged_peak_memory_gib, self.device_memory_monitor.get_peak_stats().max_reserved_gib)
 
     def throughput(self, elapsed: float) -> tuple[float, float]:
         """(tokens/s of the whole job, tokens/s per rank). ntokens_since_last_log is this rank's own
@@ -70,6 +79,7 @@ class JsonlMetricsProcessor(MetricsProcessor):
     def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
         elapsed = time.perf_counter() - self.time_last_log
         memory = self.device_memory_monitor.get_peak_stats()
+        self.logged_peak_memory_gib = max(self.logged_peak_memory_gib, memory.max_reserved_gib)
         tokens_per_s, tps_rank = self.throughput(elapsed)
         if self.config.flops_per_token:
             # torchtitan's own console/TensorBoard MFU (super().log) then uses the same count.

@@ -113,25 +113,19 @@ def _die_with_torchrun() -> None:
         os._exit(1)
 
 
-def record_memory(spec: RunSpec, rank: int) -> None:
-    """Every rank's peak memory (the process's peak RSS on CPU; the allocator's peak elsewhere)
-    beside the run's estimate (pipeline.training.memory, run.json's `memory`; on CPU plus the
-    process itself), in memory.json (rank 0 writes it)."""
+def record_memory(spec: RunSpec, rank: int, peak_gib: float) -> None:
+    """Every rank's peak memory, as the metrics read it (JsonlMetricsProcessor.run_peak_memory_gib:
+    the process's peak RSS on CPU, the allocator's peak elsewhere, after torch.neuron.synchronize()
+    on trn2), beside the run's estimate (pipeline.training.memory, run.json's `memory`; on CPU plus
+    the process itself), in memory.json (rank 0 writes it)."""
     import json
-    import resource
 
     import torch
 
     from pipeline.fsutil import atomic_write_text
     from pipeline.training import memory
 
-    if spec.target == "cpu":
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    else:
-        try:  # the current accelerator's allocator (CUDA; neuron where torch-neuronx registers it)
-            peak = torch.accelerator.max_memory_reserved()
-        except (RuntimeError, AttributeError, NotImplementedError):
-            peak = 0  # not reported by this device: memory.json then shows 0
+    peak = int(peak_gib * memory.GIB)  # 0 where the device reports nothing
     peaks = [peak]
     if torch.distributed.is_initialized():
         peaks = [None] * torch.distributed.get_world_size()
@@ -212,7 +206,7 @@ def run(spec: RunSpec, rank: int) -> None:
         trainer.train()
     finally:
         trainer.close()
-    record_memory(spec, rank)
+    record_memory(spec, rank, trainer.metrics_processor.run_peak_memory_gib())
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     logger.info("Run finished")

@@ -5,17 +5,20 @@ First-order, from the architecture and the parallel plan alone (no torch): param
 AdamW's two float32 states, all three sharded by FSDP over the data-parallel ranks and by TP where the
 path's plan shards them; FSDP's working set (one unit all-gathered in the compute dtype, the next
 prefetched, and one unit's unsharded float32 gradients); activations at the chosen checkpointing,
-sequence length and local batch; the logits and the float32 log-softmax of the loss. Not modelled:
-the runtime's and collectives' own buffers, compiler scratch and allocator fragmentation — hence
-HEADROOM. tests/test_training_memory.py and bench/memory_estimate.py compare it with measured peaks.
+sequence length and local batch; the logits and the float32 log-softmax of the loss; where a path's
+MoE experts backward runs block by block (nki), its working set (experts_backward_bytes). Not
+modelled: the runtime's and collectives' own buffers, compiler scratch and allocator fragmentation —
+hence HEADROOM. tests/test_training_memory.py and bench/memory_estimate.py compare it with measured peaks.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pipeline.checkpoint.arch import Qwen3Arch
 from pipeline.errors import PipelineError
+from pipeline.models import registry
+from pipeline.models.nki.constraints import MOE_BLOCK_SIZE
 from pipeline.run.settings import TrainSettings
 
 GIB = 2**30
@@ -41,7 +44,7 @@ def capacity_per_rank(target: str, lnc: int) -> int | None:
 
 @dataclass(frozen=True)
 class Plan:
-    """Which parameter groups TP shards, and what the path does with activations."""
+    """The path's tensor-parallel plan (its registry entry's TensorParallelPlan) under these settings."""
 
     tp_sharded: tuple[str, ...]  # parts of Qwen3Arch.param_counts() that TP divides
     sequence_parallel: bool
@@ -49,14 +52,10 @@ class Plan:
 
 
 def plan_for(path: str, settings: TrainSettings) -> Plan:
+    declared = registry.get(path).tp_plan
     tp = settings.tensor_parallel
-    if path == "hf":
-        # models/hf.py's TP plan: attention and the dense MLP only; embeddings, norms, router and experts
-        # stay whole on every TP rank, and it has no sequence parallelism.
-        return Plan(("attention", "mlp"), False, False)
-    # torchtitan's Qwen3 sharding (models/qwen3/sharding.py): attention, dense FFN, routed experts
-    # (on their hidden dim), embedding and lm_head (vocab); norms and the router replicated.
-    return Plan(("attention", "mlp", "experts", "embedding", "lm_head"), settings.sequence_parallel and tp > 1, True)
+    return Plan(declared.sharded, declared.sequence_parallel and settings.sequence_parallel and tp > 1,
+                declared.vocab_parallel_loss)
 
 
 @dataclass
@@ -142,9 +141,72 @@ def estimate(arch: Qwen3Arch, settings: TrainSettings, path: str, target: str) -
     # the float32 log-softmax, and in backward the float32 gradients of both (measured on CPU, fp32:
     # 4 vocab-sized float32 tensors alive at the peak).
     parts["logits"] = tokens * vocab * (compute + 12)
+    if arch.is_moe and registry.get(path).blockwise_experts_backward(settings):
+        tp_e = tp if "experts" in plan.tp_sharded else 1
+        parts["experts backward"] = experts_backward_bytes(
+            arch.layer_params()["experts"] / tp_e, tokens * arch.num_experts_per_tok, arch.hidden_size,
+            arch.moe_intermediate_size / tp_e, compute)
     notes = [f"TP {tp} × FSDP {dp}; {'SP; ' if plan.sequence_parallel else ''}activation checkpointing "
              f"{settings.activation_checkpoint}; seq_len {settings.seq_len} × local batch {settings.local_batch_size}"]
     return MemoryEstimate(parts, capacity_per_rank(target, settings.lnc), notes)
+
+
+def experts_backward_bytes(expert_params: float, rows: float, hidden: int, inter: float, compute: int,
+                           block_size: int = MOE_BLOCK_SIZE) -> float:
+    """Working set of one MoE layer's blockwise experts backward (models/nki/layout.py,
+    moe_cte_reference_backward) beyond its inputs: gradient accumulators for the layer's expert weights
+    and for x in the compute dtype (the gradients it returns), x and the incoming gradient padded with
+    moe_cte's zero row, and one block's weights and activations. Measured on CPU by
+    tests/test_training_memory.py."""
+    block = compute * (4 * hidden * inter + block_size * (3 * hidden + 8 * inter))
+    return compute * expert_params + 3 * compute * (rows + 1) * hidden + block
+
+
+def plan_candidates(settings: TrainSettings):
+    """The plans the pipeline may choose instead of the configured one, in order of preference: the
+    configured TP degree, then each smaller divisor of it (each still divides the ranks, the heads and
+    the sequence, which the configured degree was checked to do), each with the configured activation
+    checkpointing and then with "full". TP is only changed where FSDP takes every remaining rank."""
+    degrees = [d for d in range(settings.tensor_parallel, 0, -1) if settings.tensor_parallel % d == 0]
+    if settings.data_parallel_shard != -1:
+        degrees = degrees[:1]
+    modes = dict.fromkeys((settings.activation_checkpoint, "full"))
+    for degree in degrees:
+        for mode in modes:
+            yield replace(settings, tensor_parallel=degree, activation_checkpoint=mode)
+
+
+def fit(arch: Qwen3Arch, settings: TrainSettings, path: str, target: str) -> tuple[TrainSettings, str | None]:
+    """The configured settings when their plan fits (or the target's capacity is not estimated against),
+    else the first of plan_candidates that fits, with a line saying what was chosen and why; the
+    configured settings again when none fits (check() then refuses)."""
+    configured = estimate(arch, settings, path, target)
+    if configured.fits:
+        return settings, None
+    for candidate in plan_candidates(settings):
+        result = estimate(arch, candidate, path, target)
+        if result.fits:
+            return candidate, (f"the configured plan ({configured.notes[0]}) needs ~{configured.total / GIB:.1f} GiB per "
+                               f"rank, over the {configured.usable / GIB:.1f} GiB usable on {target}; the pipeline "
+                               f"chose {result.notes[0]} (~{result.total / GIB:.1f} GiB).")
+    return settings, None
+
+
+def _more_nodes(arch: Qwen3Arch, settings: TrainSettings, path: str, target: str) -> str:
+    """'NNODES=n (…), or ' for the fewest nodes (up to 16× these) on which a candidate plan fits, or ''."""
+    for nodes in (settings.nnodes * k for k in (2, 4, 8, 16)):
+        more, _ = fit(arch, replace(settings, nnodes=nodes), path, target)
+        result = estimate(arch, more, path, target)
+        if result.fits:
+            return f"run on NNODES={nodes} (the pipeline then chooses {result.notes[0]}: ~{result.total / GIB:.1f} GiB), or "
+    return ""
+
+
+def _smaller_plan(arch: Qwen3Arch, settings: TrainSettings, path: str, target: str) -> str:
+    chosen, _ = fit(arch, settings, path, target)
+    if chosen is settings:
+        return f", and no smaller TP degree or activation checkpointing mode fits on {settings.nnodes} node(s)"
+    return f"; {estimate(arch, chosen, path, target).notes[0]} would fit"
 
 
 def check(arch: Qwen3Arch, settings: TrainSettings, path: str, target: str) -> MemoryEstimate:
@@ -152,15 +214,17 @@ def check(arch: Qwen3Arch, settings: TrainSettings, path: str, target: str) -> M
     result = estimate(arch, settings, path, target)
     if not result.fits:
         largest = max(result.parts, key=result.parts.get)
-        # The hf path's TP plan leaves MoE experts and the embeddings whole on every TP rank.
-        other_path = "train it on the native path (its TP plan shards experts and embeddings), or " \
-            if path == "hf" and arch.is_moe else ""
+        other_path = ""
+        if arch.is_moe and "experts" not in plan_for(path, settings).tp_sharded:
+            # this path's TP plan leaves the experts whole on every TP rank: name a path whose plan does not
+            sharding = [p for p in registry.names() if "experts" in registry.get(p).tp_plan.sharded]
+            other_path = f"train it on the {sharding[0]} path (its TP plan shards the experts), or " if sharding else ""
         raise PipelineError(
             f"the {path} path needs ~{result.total / GIB:.1f} GiB per rank, more than the {result.usable / GIB:.1f} GiB "
             f"usable of the {result.capacity / GIB:.0f} GiB a rank has on {target} at LNC={settings.lnc} (largest: "
-            f"{largest} {result.parts[largest] / GIB:.1f} GiB; {result.notes[0]}).",
-            f"{other_path}raise tensor_parallel (within a chip) or the number of nodes, lower SEQ_LEN or "
-            'local_batch_size, or set activation_checkpoint = "full".')
+            f"{largest} {result.parts[largest] / GIB:.1f} GiB; {result.notes[0]}){_smaller_plan(arch, settings, path, target)}.",
+            f"{other_path}{_more_nodes(arch, settings, path, target)}lower SEQ_LEN or local_batch_size, or raise "
+            "tensor_parallel (within a chip).")
     return result
 
 

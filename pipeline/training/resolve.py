@@ -68,22 +68,31 @@ def resolve(request: RunRequest) -> RunSpec:
         peak_flops_per_rank=target.peak_flops_per_rank(cfg.lnc),
         overrides=list(path.overrides(target.name, cfg)), titan_args=list(request.titan_args),
     )
+    if spec.titan_args:
+        check_titan_args(spec)
     check_parallelism(spec)
     check_device_choices(spec)
+    spec.settings, chosen = memory.fit(spec.arch, spec.settings, spec.path, spec.target)
+    if chosen:  # a plan that fits instead of the configured one, said where the dry run shows it
+        print(f"note: {chosen}", file=sys.stderr, flush=True)
     if path.prepare is not None:
         path.prepare(spec, request.dry_run)  # the path's own rules (kernel constraints) first: they name the fix
     spec.memory = memory.check(spec.arch, spec.settings, spec.path, spec.target).to_dict()
-    if spec.titan_args:
-        check_titan_args(spec)
     return spec
 
 
 def check_titan_args(spec: RunSpec) -> None:
-    """TITAN_ARGS parsed over the very config the ranks will build, before any rank starts (this
-    imports torchtitan into the launcher, which only a run with TITAN_ARGS pays for)."""
-    from pipeline.training import entry
+    """TITAN_ARGS parsed over the very config the ranks will build, before any rank starts and before
+    the checks: what they change of the pipeline's own settings is folded into spec.settings (so the
+    checks and the estimate see the plan that runs) or refused (pipeline.training.titan_flags). This
+    imports torchtitan into the launcher, which only a run with TITAN_ARGS pays for."""
+    from pipeline.training import titan_flags
 
-    entry.build_config(spec)
+    before = spec.settings
+    spec.settings = titan_flags.fold(spec)
+    note = titan_flags.summary(before, spec.settings)
+    if note:
+        print(f"note: {note}", file=sys.stderr, flush=True)
 
 
 def arch_without_download(source: store.Source) -> Qwen3Arch:

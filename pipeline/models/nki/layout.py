@@ -107,3 +107,47 @@ def moe_cte_reference(hidden_states: torch.Tensor, expert_affinities_masked: tor
         y = (h @ down_proj_weight.index_select(0, expert)[0]) * affinity.index_select(1, expert)[rows]
         out = out.index_add(0, rows, y)
     return out
+
+
+def moe_cte_reference_backward(x_RD: torch.Tensor, tokens_per_expert_E: torch.Tensor, w1_EFD: torch.Tensor,
+                               w2_EDF: torch.Tensor, w3_EFD: torch.Tensor, grad_RD: torch.Tensor,
+                               block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (x, w1, w2, w3) of experts_blockwise's output [R, D] given grad_RD, block by block
+    over moe_cte's layout, without an autograd graph: each block recomputes its SwiGLU from its row
+    indices and one expert's weights, adds its share into weight-sized accumulators and drops
+    everything else. Memory: the three accumulators (one layer's expert weights in x's dtype), x and
+    the gradient padded by moe_cte's zero row, and one block's activations — never a copy of the
+    weights per block (differentiating the forward through autograd saved one per block: ~4.5 GiB a
+    layer for the trn2-fit MoE). Computed in x's dtype like the forward."""
+    rows, dim = x_RD.shape
+    dtype = x_RD.dtype
+    layout = blockwise_layout(tokens_per_expert_E, rows, block_size)
+    blocks = layout.num_blocks
+    ids = layout.token_position_to_id.to(torch.int64).view(blocks, block_size)
+    block_expert = layout.block_to_expert.to(torch.int64).view(blocks)
+    # padding slots read row R: zero input, zero gradient, so they add nothing anywhere
+    # Sums in x's dtype, as autograd's own would: a row sits in exactly one block, and an expert's
+    # weight gradient gathers only ceil(rows of that expert / block) block products.
+    acc = dtype
+    hidden = torch.cat([x_RD, x_RD.new_zeros(1, dim)])
+    grad = torch.cat([grad_RD.to(dtype), grad_RD.new_zeros(1, dim, dtype=dtype)])
+    grad_x = torch.zeros(rows + 1, dim, dtype=acc, device=x_RD.device)
+    grad_w1 = torch.zeros(w1_EFD.shape, dtype=acc, device=w1_EFD.device)
+    grad_w2 = torch.zeros(w2_EDF.shape, dtype=acc, device=w2_EDF.device)
+    grad_w3 = torch.zeros(w3_EFD.shape, dtype=acc, device=w3_EFD.device)
+    for b in range(blocks):
+        # index_select with a [1] index: indexing by a 0-d tensor would read its value on the host
+        slots, expert = ids[b], block_expert[b:b + 1]
+        x, dy = hidden[slots], grad[slots]
+        w1, w2, w3 = (w.index_select(0, expert)[0].to(dtype) for w in (w1_EFD, w2_EDF, w3_EFD))
+        gate, up = x @ w1.T, x @ w3.T
+        sig = torch.sigmoid(gate)
+        act = gate * sig  # silu
+        grad_h = dy @ w2
+        grad_w2.index_add_(0, expert, (dy.T @ (act * up)).to(acc).unsqueeze(0))
+        grad_up = grad_h * act
+        grad_gate = grad_h * up * sig * (1 + gate * (1 - sig))  # silu'(g) = σ(g)(1 + g(1 - σ(g)))
+        grad_w1.index_add_(0, expert, (grad_gate.T @ x).to(acc).unsqueeze(0))
+        grad_w3.index_add_(0, expert, (grad_up.T @ x).to(acc).unsqueeze(0))
+        grad_x.index_add_(0, slots, (grad_gate @ w1 + grad_up @ w3).to(acc))
+    return (grad_x[:rows].to(dtype), grad_w1.to(w1_EFD.dtype), grad_w2.to(w2_EDF.dtype), grad_w3.to(w3_EFD.dtype))

@@ -24,10 +24,13 @@ def router_topk_kernel(x, w, k: int, shard_on_tokens: bool):
     it from a wrapper that allocates its outputs, and this is that wrapper.
 
     x [T, H] and w [H, E] in one dtype (router_topk asserts it), T ≤ 2048 (its documented range; the
-    caller tiles longer inputs). Returns router_logits [T, E] float32 (the kernel accumulates in
-    float32 and casts to the buffer's dtype; torchtitan's gate is float32 too) and expert_index
-    [T, K] uint32 (the kernel's index dtype, as in nki-library's test). Softmax then top-k
+    caller tiles longer inputs). Returns every buffer the kernel writes, in the order router_topk
+    itself returns them ("[router_logits, expert_index, expert_affinities]", its docstring):
+    router_logits [T, E] float32 (the kernel accumulates in float32 and casts to the buffer's dtype;
+    torchtitan's gate is float32 too), expert_index [T, K] uint32 (the kernel's index dtype, as in
+    nki-library's test) and expert_affinities [T, E] in x's dtype. Softmax then top-k
     (router_pre_norm=True), as torchtitan's TokenChoiceTopKRouter with score_func="softmax".
+    An output allocated here and not returned would be a kernel output wrap_nki never hands back.
     """
     tokens, experts = x.shape[0], w.shape[1]
     router_logits = nl.ndarray((tokens, experts), dtype=nl.float32, buffer=nl.shared_hbm)
@@ -35,7 +38,7 @@ def router_topk_kernel(x, w, k: int, shard_on_tokens: bool):
     expert_index = nl.ndarray((tokens, k), dtype=nl.uint32, buffer=nl.shared_hbm)
     router_topk(x, w, None, router_logits, expert_affinities, expert_index, act_fn=RouterActFnType.SOFTMAX,
                 k=k, x_hbm_layout=1, x_sb_layout=0, router_pre_norm=True, shard_on_tokens=shard_on_tokens)
-    return router_logits, expert_index
+    return router_logits, expert_index, expert_affinities
 
 
 @nki.jit(mode="trace")

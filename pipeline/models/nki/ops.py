@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from pipeline.models.nki import kernels
 from pipeline.models.nki.constraints import MOE_BLOCK_SIZE, ROUTER_MAX_TOKENS
-from pipeline.models.nki.layout import blockwise_layout, moe_cte_inputs, moe_cte_reference
+from pipeline.models.nki.layout import blockwise_layout, moe_cte_inputs, moe_cte_reference, moe_cte_reference_backward
 
 NAMESPACE = "pipeline_nki"
 COUNTS: collections.Counter = collections.Counter()
@@ -133,10 +133,14 @@ def router_reference(x_TH: torch.Tensor, w_EH: torch.Tensor, top_k: int) -> tupl
 def router_tiled(x_TH: torch.Tensor, w_HE: torch.Tensor, top_k: int, kernel, max_tokens: int = ROUTER_MAX_TOKENS):
     """router_topk is built for T ≤ 2048 (router_topk.py docstring; it keeps x and its float32
     intermediates for all T in SBUF): longer inputs go through it in chunks of ≤ max_tokens tokens.
-    `kernel(x_chunk, w_HE, top_k)` returns float32 logits and uint32 ids."""
+    `kernel(x_chunk, w_HE, top_k)` returns what router_topk writes: float32 logits, uint32 ids and
+    the affinities. The op's contract is logits and ids: the router's scores are softmax(logits)
+    in float32 (torchtitan's), and nki-library describes the affinities two ways (the full softmax in
+    router_topk_torch.py; the top-k scattered over E in router_topk.py's pseudocode), so they are
+    not read."""
     logits, ids = [], []
     for start in range(0, x_TH.shape[0], max_tokens):
-        chunk_logits, chunk_ids = kernel(x_TH[start:start + max_tokens].contiguous(), w_HE, top_k)
+        chunk_logits, chunk_ids, _affinities = kernel(x_TH[start:start + max_tokens].contiguous(), w_HE, top_k)
         logits.append(chunk_logits)
         ids.append(chunk_ids.to(torch.int64))
     return torch.cat(logits), torch.cat(ids)
@@ -207,18 +211,16 @@ def _experts_setup(ctx, inputs, output):
 def _experts_backward(ctx, grad_out):
     x_RD, counts, w1, w2, w3 = ctx.saved_tensors
     _count("experts.backward", x_RD)
-    # Backward = recompute moe_cte_reference over the same layout and differentiate it, on every
-    # device. nki-library's blockwise backward (nkilib/experimental/moe/bwd/blockwise_mm_backward.py)
+    # Backward = the reference's gradient over the same layout, block by block from the row indices
+    # (layout.moe_cte_reference_backward: weight-sized accumulators, no per-block weight copies), on
+    # every device. nki-library's blockwise backward (nkilib/experimental/moe/bwd/blockwise_mm_backward.py)
     # is experimental (its usage range is still a TODO there), needs the forward run with
     # checkpoint_activation=True to keep [N, 2, I, B] and [N, B, H] activations per layer until the
     # backward, and reads hidden states as [T, H] where the forward takes [T+1, H]: not something to
     # bind without a trn2 to validate it on. The recompute costs one more forward's FLOPs.
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_(True) for t in (x_RD, w1, w2, w3)]
-        out = experts_blockwise(leaves[0], counts, leaves[1], leaves[2], leaves[3])
-        grads = torch.autograd.grad(out, leaves, grad_out, allow_unused=True)
-    grads = [g if g is not None else torch.zeros_like(t) for g, t in zip(grads, leaves)]
-    return grads[0], None, grads[1], grads[2], grads[3], None
+    grad_x, grad_w1, grad_w2, grad_w3 = moe_cte_reference_backward(x_RD, counts, w1, w2, w3, grad_out.contiguous(),
+                                                                   MOE_BLOCK_SIZE)
+    return grad_x, None, grad_w1, grad_w2, grad_w3, None
 
 
 experts.register_autograd(_experts_backward, setup_context=_experts_setup)
