@@ -32,7 +32,8 @@ DATASET|config|local (the model's data/train.jsonl), a .jsonl/.txt file, a torch
 REVISION|configs/models.toml|Hub revision (commit) to download and train from
 TITAN_ARGS||torchtitan flags over the built config, e.g. "--training.steps 5 --lr-scheduler.warmup-steps 1" (--help lists them)
 DRY_RUN|0|1: resolve and print the run and its torchrun command, launch nothing
-FRESH|0|1: discard the run's checkpoints instead of resuming
+RUN_NAME|TRAIN_PATH|the run's name: its folder checkpoints/<key>/runs/<name>; a re-run continues it only with the same settings
+FRESH|0|1: discard the run (its checkpoints, metrics, export and verify results) and start it again
 FORCE|0|1: replace an existing download or export
 DTYPE|$(DTYPE)|export dtype: bfloat16 or float32
 MAX_SHARD_SIZE|5GB|largest export shard
@@ -68,7 +69,7 @@ TRAIN_FLAGS = --model $(MODEL) $(if $(TARGET),--target $(TARGET)) $(if $(STEPS),
               $(if $(SEQ_LEN),--seq-len $(SEQ_LEN)) $(if $(NPROC),--nproc-per-node $(NPROC)) \
               $(if $(CONFIG),--config $(CONFIG)) $(if $(DATASET),--dataset $(DATASET)) \
               $(if $(REVISION),--revision $(REVISION)) $(if $(TITAN_ARGS),--titan-args='$(subst ','\'',$(TITAN_ARGS))') \
-              $(if $(call on,DRY_RUN),--dry-run) $(if $(call on,FRESH),--fresh)
+              $(if $(call on,DRY_RUN),--dry-run) $(if $(call on,FRESH),--fresh) $(if $(RUN_NAME),--name $(RUN_NAME))
 HOST_PIPE := $(PY) -m pipeline
 # IN_CONTAINER=1: every stage runs inside the image (IMAGE, default the lock-derived tag) through
 # `python -m pipeline image --run`; image, doctor and launch-* always run on the host.
@@ -117,11 +118,11 @@ train-nki: setup $(TRAIN_DEPS) ## native Qwen3 with NKI kernels (RoPE, MoE) via 
 	$(PIPE) train --path nki $(TRAIN_FLAGS)
 
 export: setup ## HF safetensors of a run's last checkpoint: <run dir>/export
-	$(PIPE) export --model $(MODEL) --path $(TRAIN_PATH) --dtype $(DTYPE) $(if $(call on,FORCE),--force) \
+	$(PIPE) export --model $(MODEL) --path $(TRAIN_PATH) $(if $(RUN_NAME),--name $(RUN_NAME)) --dtype $(DTYPE) $(if $(call on,FORCE),--force) \
 	  $(if $(MAX_SHARD_SIZE),--max-shard-size $(MAX_SHARD_SIZE))
 
 verify-checkpoint: setup ## reload an export: zero missing keys, tensors, step-1 loss → verify.json
-	$(PIPE) verify $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT) --reference $(REFERENCE),--model $(MODEL) --path $(TRAIN_PATH))
+	$(PIPE) verify $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT) --reference $(REFERENCE),--model $(MODEL) --path $(TRAIN_PATH) $(if $(RUN_NAME),--name $(RUN_NAME)))
 
 verify-kernels: setup ## every NKI override vs its reference (fwd+bwd), table of errors
 	$(PIPE) verify-kernels $(if $(TARGET),--target $(TARGET))

@@ -30,6 +30,7 @@ class Run:
     records: list[dict]
     planned_steps: int | None = None
     verify: dict | None = None
+    train_path: str | None = None  # run.json's path (a named run's folder is its RUN_NAME)
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
         points = [(r["step"], r[key]) for r in self.records if isinstance(r.get(key), (int, float))]
@@ -92,7 +93,7 @@ def collect(home: store.ModelHome) -> Collection:
             collection.without_metrics.append(run_dir.name)
             continue
         collection.runs.append(Run(run_dir.name, run_dir.path, records, _planned_steps(run_dir),
-                                   _read_verify(run_dir.verify, collection)))
+                                   _read_verify(run_dir.verify, collection), _train_path(run_dir)))
     _add_notes(collection)
     if not collection.runs:
         empty = f" (without: {', '.join(collection.without_metrics)})" if collection.without_metrics else ""
@@ -115,6 +116,13 @@ def _planned_steps(run_dir: RunDir) -> int | None:
         return None
 
 
+def _train_path(run_dir: RunDir) -> str | None:
+    try:
+        return run_dir.spec().path
+    except (PipelineError, OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _read_verify(path: Path, collection: Collection) -> dict | None:
     if not path.is_file():
         return None
@@ -130,7 +138,7 @@ def _read_verify(path: Path, collection: Collection) -> dict | None:
 
 
 def _add_notes(collection: Collection) -> None:
-    present = {r.path for r in collection.runs}
+    present = {r.path for r in collection.runs} | {r.train_path for r in collection.runs}
     for path in registry.names():
         if path not in present and path not in collection.without_metrics:
             collection.notes.append(f"no {path} run ({collection.directory / path} holds none).")

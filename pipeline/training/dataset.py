@@ -10,6 +10,7 @@ each rank with torchtitan's dataset registry (so torchtitan's own HF text loader
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 from dataclasses import dataclass
@@ -90,15 +91,57 @@ def check_file(path: Path) -> None:
                 raise PipelineError(f"{where} is not UTF-8 text (byte {err.start}).", "save it as UTF-8.") from err
         return
     for number, line in lines:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise PipelineError(f"{where}:{number} is not JSON ({err.msg}).",
-                                "write one JSON object per line, e.g. {\"text\": \"…\"}.") from err
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise PipelineError(f"{where}:{number} has no \"text\" string (keys: "
-                                f"{sorted(record) if isinstance(record, dict) else type(record).__name__}).",
-                                "give every line a \"text\" field holding the document.")
+        check_record(line, where, number)
+
+
+def check_record(line: str, where: str, number: int) -> dict:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise PipelineError(f"{where}:{number} is not JSON ({err.msg}).",
+                            "write one JSON object per line, e.g. {\"text\": \"…\"}.") from err
+    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+        raise PipelineError(f"{where}:{number} has no \"text\" string (keys: "
+                            f"{sorted(record) if isinstance(record, dict) else type(record).__name__}).",
+                            "give every line a \"text\" field holding the document.")
+    return record
+
+
+def check_readable(source: DataSource) -> None:
+    """The whole dataset opens as the ranks will open it (FRESH=1 checks this before it deletes
+    anything): every line of a file, or a Hub / torchtitan dataset reachable from here."""
+    if source.kind == "file":
+        path = Path(source.file)
+        check_file(path)
+        where = f"DATASET file {path}"
+        with open(path, "rb") as handle:
+            if FILE_FORMATS[path.suffix] == "text":
+                decoder = codecs.getincrementaldecoder("utf-8")()
+                read = 0
+                try:
+                    for block in iter(lambda: handle.read(1 << 20), b""):
+                        decoder.decode(block)
+                        read += len(block)
+                    decoder.decode(b"", final=True)
+                except UnicodeDecodeError as err:
+                    raise PipelineError(f"{where} is not UTF-8 text (byte {read + err.start}).", "save it as UTF-8.") from err
+                return
+            for number, raw in enumerate(handle, 1):
+                if raw.strip():
+                    check_record(raw.decode("utf-8", errors="replace"), where, number)
+        return
+    hub_id = source.dataset if source.kind == "hub" else TITAN_DATASETS[source.dataset]
+    if source.kind == "titan" and not HUB_ID.fullmatch(hub_id):
+        return  # a local path, checked by resolve
+    from datasets import load_dataset_builder
+
+    try:
+        load_dataset_builder(hub_id)
+    except Exception as err:  # offline, unknown id, gated: datasets raises many kinds
+        raise PipelineError(f"DATASET={source.dataset} ({hub_id}) cannot be opened from here: "
+                            f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
+                            "check the id and the network (or HF_HUB_OFFLINE and the datasets cache), "
+                            "or give DATASET=<file>.") from err
 
 
 def _first_lines(handle, head: bytes) -> list[tuple[int, str]]:
@@ -147,5 +190,19 @@ def register(source: DataSource) -> str:
         def loader(path):
             return load_dataset(path, split="train", streaming=True)
         path = source.dataset
-    DATASETS[source.loader_name] = DatasetConfig(path=path, loader=loader, sample_processor=lambda s: s["text"])
+    DATASETS[source.loader_name] = DatasetConfig(path=path, loader=_one_line_errors(loader, source),
+                                                 sample_processor=lambda s: s["text"])
     return source.loader_name
+
+
+def _one_line_errors(loader, source: DataSource):
+    """A loader whose failure to open the data stops the rank with one line (failure.json), which the
+    launcher reports, instead of a traceback from every rank."""
+    def load(path):
+        try:
+            return loader(path)
+        except Exception as err:  # datasets raises many kinds (DatasetGenerationError, FileNotFoundError, …)
+            cause = str(err).splitlines()[0] if str(err) else ""
+            raise PipelineError(f"the ranks cannot open DATASET={source.dataset} ({path}): {type(err).__name__}: {cause}",
+                                "check the data (FRESH=1 reads all of it before it starts a run).") from err
+    return load

@@ -43,7 +43,8 @@ class RunRequest:
     dry_run: bool = False
     checkpoints_root: Path | None = None  # where the nodes see checkpoints/ (launch); default this host's
     settings: TrainSettings | None = None  # given whole (rehearse): no config file is read, flags still apply
-    run_dir: Path | None = None  # default: the model's runs/<path>
+    run_dir: Path | None = None  # default: the model's runs/<name>
+    name: str | None = None  # RUN_NAME: the run's folder under runs/ (default: the path's name)
 
 
 def resolve(request: RunRequest) -> RunSpec:
@@ -63,7 +64,7 @@ def resolve(request: RunRequest) -> RunSpec:
     data = dataset.resolve(cfg.dataset, home.data_file, check_local=not request.dry_run, model=request.model)
     spec = RunSpec(
         model=request.model, model_key=home.source.key, path=path.name, target=target.name,
-        source_dir=str(source_dir), run_dir=str(request.run_dir or home.run(path.name).path), arch=arch, settings=cfg,
+        source_dir=str(source_dir), run_dir=str(request.run_dir or home.run(request.name or path.name).path), arch=arch, settings=cfg,
         data_kind=data.kind, data_file=data.file,
         peak_flops_per_rank=target.peak_flops_per_rank(cfg.lnc),
         overrides=list(path.overrides(target.name, cfg)), titan_args=list(request.titan_args),
