@@ -125,7 +125,8 @@ def launch(spec: RunSpec, fresh: bool = False) -> RunSpec:
             # Everything the new run needs is checked before the old one goes (resolve checked the
             # config, checkpoint and memory; the data is read through here), then the old run is
             # moved aside in one rename and deleted once the new directory holds its own lock.
-            dataset.check_readable(dataset.DataSource(spec.data_kind, spec.settings.dataset, spec.data_file))
+            dataset.check_readable(dataset.DataSource(spec.data_kind, spec.settings.dataset, spec.data_file,
+                                                      spec.data_format))
             if continuation.discard(run_dir) is not None:
                 held.enter_context(RunLock(run_dir))
                 continuation.delete_discarded(run_dir)

@@ -2,7 +2,10 @@
 each rank with torchtitan's dataset registry (so torchtitan's own HF text loader reads it).
 
   local             the model's data/train.jsonl (written by `make data`)
-  a .jsonl file     JSON lines, each an object with a "text" string
+  chat              the model's data/chat.jsonl: conversations (`make data`, embedded models)
+  a .jsonl file     JSON lines, each an object with a "text" string, or chat records: "messages"
+                    (system/user/assistant turns) or "prompt"/"completion" (pipeline.training.chat),
+                    told apart by the first record's keys
   a .txt file       plain UTF-8 text, one document per paragraph (blank-line separated)
   c4, c4_test, …    a torchtitan dataset (titan.compat.TITAN_DATASETS); C4 is trn2's default
   org/name          a Hub dataset with a "text" column, streamed (split "train")
@@ -28,11 +31,17 @@ LINES_CHECKED = 5
 TEXT_BYTES_CHECKED = 1 << 16
 
 
+CHAT = "chat"
+CHAT_FILE = "chat.jsonl"  # beside the model's data/train.jsonl
+CHAT_EVAL_FILE = "chat_eval.jsonl"  # its held-out conversations (eval loss; never trained on)
+
+
 @dataclass(frozen=True)
 class DataSource:
     kind: str  # file | hub | titan
     dataset: str  # DATASET as given
     file: str | None = None  # kind file: the absolute path read
+    format: str = "text"  # text | chat (a .jsonl file of conversations)
 
     @property
     def loader_name(self) -> str:
@@ -43,20 +52,22 @@ class DataSource:
 def resolve(dataset: str, local_file: Path, check_local: bool = True, model: str = "…") -> DataSource:
     """DATASET → a DataSource, refused in one line when it cannot be read. `local_file` is the
     model's data/train.jsonl; a dry run passes check_local=False (it may run before `make data`)."""
-    if dataset == LOCAL:
+    if dataset in (LOCAL, CHAT):
+        file = Path(local_file) if dataset == LOCAL else Path(local_file).with_name(CHAT_FILE)
+        form = "text" if dataset == LOCAL else "chat"
         if check_local:
-            if not Path(local_file).exists():
-                raise PipelineError(f"{local_file} does not exist (DATASET=local).",
+            if not file.exists():
+                raise PipelineError(f"{file} does not exist (DATASET={dataset}).",
                                     f"run `make data MODEL={model}` first, or give DATASET=<file or dataset id>.")
-            check_file(Path(local_file))
-        return DataSource("file", dataset, str(local_file))
+            form = check_file(file)
+        return DataSource("file", dataset, str(file), form)
     if dataset in TITAN_DATASETS:
         _check_titan_dataset(dataset)
         return DataSource("titan", dataset)
     path = Path(dataset).expanduser()
     if path.suffix in FILE_FORMATS or path.exists() or dataset.startswith(("/", ".", "~")):
-        check_file(path)
-        return DataSource("file", dataset, str(path.resolve()))
+        form = check_file(path)
+        return DataSource("file", dataset, str(path.resolve()), form)
     if HUB_ID.fullmatch(dataset):
         return DataSource("hub", dataset)
     raise PipelineError(f"DATASET={dataset!r} is not {LOCAL!r}, a .jsonl/.txt file, a torchtitan dataset "
@@ -64,8 +75,9 @@ def resolve(dataset: str, local_file: Path, check_local: bool = True, model: str
                         "check the spelling, or give the path of an existing file.")
 
 
-def check_file(path: Path) -> None:
-    """The file exists, is readable, and its first lines are what the loader expects."""
+def check_file(path: Path) -> str:
+    """The file exists, is readable, and its first lines are what the loader expects; returns its
+    format (text, or chat for JSON lines of conversations)."""
     where = f"DATASET file {path}"
     if path.is_dir():
         raise PipelineError(f"{where} is a directory.", "give a .jsonl or .txt file.")
@@ -89,22 +101,38 @@ def check_file(path: Path) -> None:
         except UnicodeDecodeError as err:
             if err.start < len(head) - 3:  # not just a character cut at the end of the sample
                 raise PipelineError(f"{where} is not UTF-8 text (byte {err.start}).", "save it as UTF-8.") from err
-        return
+        return "text"
+    form = None
     for number, line in lines:
-        check_record(line, where, number)
+        form = check_record(line, where, number, form)
+    return form or "text"
 
 
-def check_record(line: str, where: str, number: int) -> dict:
+def check_record(line: str, where: str, number: int, form: str | None = None) -> str:
+    """One JSON line against the file's format (None: this line decides it); returns the format."""
+    from pipeline.training import chat
+
     try:
         record = json.loads(line)
     except json.JSONDecodeError as err:
         raise PipelineError(f"{where}:{number} is not JSON ({err.msg}).",
                             "write one JSON object per line, e.g. {\"text\": \"…\"}.") from err
+    if form is None:
+        form = "chat" if isinstance(record, dict) and chat.is_chat_record(record) else "text"
+    if form == "chat":
+        problem = chat.conversation_problem(record)
+        if problem:
+            raise PipelineError(f"{where}:{number} {problem} (the file is chat data: its first record has "
+                                "\"messages\" or \"prompt\"/\"completion\").",
+                                "give every line {\"messages\": [{\"role\": \"user\", \"content\": …}, "
+                                "{\"role\": \"assistant\", \"content\": …}]} or {\"prompt\": …, \"completion\": …}.")
+        return form
     if not isinstance(record, dict) or not isinstance(record.get("text"), str):
         raise PipelineError(f"{where}:{number} has no \"text\" string (keys: "
                             f"{sorted(record) if isinstance(record, dict) else type(record).__name__}).",
-                            "give every line a \"text\" field holding the document.")
-    return record
+                            "give every line a \"text\" field holding the document, or make it chat data "
+                            "(\"messages\", or \"prompt\" and \"completion\").")
+    return form
 
 
 def check_readable(source: DataSource) -> None:
@@ -126,9 +154,10 @@ def check_readable(source: DataSource) -> None:
                 except UnicodeDecodeError as err:
                     raise PipelineError(f"{where} is not UTF-8 text (byte {read + err.start}).", "save it as UTF-8.") from err
                 return
+            form = None
             for number, raw in enumerate(handle, 1):
                 if raw.strip():
-                    check_record(raw.decode("utf-8", errors="replace"), where, number)
+                    form = check_record(raw.decode("utf-8", errors="replace"), where, number, form)
         return
     hub_id = source.dataset if source.kind == "hub" else TITAN_DATASETS[source.dataset]
     if source.kind == "titan" and not HUB_ID.fullmatch(hub_id):
@@ -172,7 +201,7 @@ def _check_titan_dataset(name: str) -> None:
 
 def register(source: DataSource) -> str:
     """In a rank: add a file or Hub dataset to torchtitan's registry; returns the loader's name."""
-    if source.kind == "titan":
+    if source.kind == "titan" or source.format == "chat":  # chat: training.chat's own loader reads the file
         return source.loader_name
     from datasets import load_dataset
     from torchtitan.hf_datasets import DatasetConfig

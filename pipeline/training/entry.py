@@ -21,7 +21,7 @@ from pipeline.errors import PipelineError
 from pipeline.run import rundir
 from pipeline.run.spec import RunSpec
 from pipeline.titan import compat
-from pipeline.training import dataset
+from pipeline.training import chat, dataset
 
 MEMORY_KIND = {"cpu": "peak RSS (CPU)", "cuda": "CUDA reserved", "trn2": "HBM reserved"}
 
@@ -45,7 +45,8 @@ def build_config(spec: RunSpec):
 
     s = spec.settings
     run_dir = Path(spec.run_dir)
-    dataset_name = dataset.register(dataset.DataSource(spec.data_kind, s.dataset, spec.data_file))
+    source = dataset.DataSource(spec.data_kind, s.dataset, spec.data_file, spec.data_format)
+    dataset_name = dataset.register(source)
     model_spec = registry.get(spec.path).build(spec)
     config = PipelineTrainer.Config(
         run_dir=str(run_dir),
@@ -63,9 +64,8 @@ def build_config(spec: RunSpec):
             memory_kind=MEMORY_KIND[spec.target],
             disable_color_printing=True,
         ),
-        dataloader=HuggingFaceTextDataLoader.Config(
-            dataset=dataset_name, infinite=True
-        ),
+        dataloader=chat.dataloader_config(spec.data_file) if source.format == "chat" else
+        HuggingFaceTextDataLoader.Config(dataset=dataset_name, infinite=True),
         optimizer=default_adamw(lr=s.lr, weight_decay=0.0),
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=s.warmup_steps, decay_type="linear"),
         training=TrainingConfig(

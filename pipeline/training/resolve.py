@@ -65,7 +65,7 @@ def resolve(request: RunRequest) -> RunSpec:
     spec = RunSpec(
         model=request.model, model_key=home.source.key, path=path.name, target=target.name,
         source_dir=str(source_dir), run_dir=str(request.run_dir or home.run(request.name or path.name).path), arch=arch, settings=cfg,
-        data_kind=data.kind, data_file=data.file,
+        data_kind=data.kind, data_file=data.file, data_format=data.format,
         peak_flops_per_rank=target.peak_flops_per_rank(cfg.lnc),
         overrides=list(path.overrides(target.name, cfg)), titan_args=list(request.titan_args),
     )
