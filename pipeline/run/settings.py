@@ -51,6 +51,11 @@ class TrainSettings:
     checkpoint_interval: int = 5
     keep_latest_k: int = 2
     dataset: str = "local"
+    # Held-out eval loss every `eval_every` steps (0: off) over `eval_steps` batches of `eval_dataset`
+    # ("": the dataset's own held-out split where it has one: DATASET=chat's data/chat_eval.jsonl).
+    eval_every: int = 0
+    eval_steps: int = 4
+    eval_dataset: str = ""
     tensorboard: bool = True
     lnc: int = 1
     constraint_policy: str = "error"

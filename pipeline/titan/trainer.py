@@ -49,6 +49,9 @@ class JsonlMetricsProcessor(MetricsProcessor):
         jsonl_path: str = ""
         peak_flops_per_rank: float = 0.0
         memory_kind: str = "device"
+        eval_freq: int = 0
+        """The validator's freq when it runs (0: off): a step it validates writes its metrics.jsonl
+        line once the eval loss is known, with that loss in it (eval_loss)."""
         flops_per_token: int = 0
         """Qwen3Arch.flops_per_token(seq_len): the same count whatever path implements the model
         (0: the model config's own get_nparams_and_flops)."""
@@ -91,15 +94,35 @@ class JsonlMetricsProcessor(MetricsProcessor):
         }
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
         if self.is_writer and self.config.jsonl_path:
-            # Written through to the page cache, not fsynced: a killed run keeps every line (the
-            # kernel has them), and a line torn by a machine crash is skipped when read back.
-            with open(self.config.jsonl_path, "a") as handle:
-                handle.write(json.dumps(record) + "\n")
+            if getattr(self, "held_record", None):  # no validation came for it (TITAN_ARGS changed the validator)
+                self._write(self.held_record)
+                self.held_record = None
+            if self.config.eval_freq and (step == 1 or step % self.config.eval_freq == 0):
+                self.held_record = record  # torchtitan's validator runs right after this step's log
+            else:
+                self._write(record)
             if step == 1:
                 print(f"step-1 loss: {global_avg_loss:.6f}", flush=True)
                 if TIMINGS:
                     Path(self.config.jsonl_path).with_name(rundir.TIMINGS).write_text(
                         json.dumps({**TIMINGS, "step1": record["time"]}) + "\n")
+
+
+    def _write(self, record: dict) -> None:
+        # Written through to the page cache, not fsynced: a killed run keeps every line (the
+        # kernel has them), and a line torn by a machine crash is skipped when read back.
+        with open(self.config.jsonl_path, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+    def log_validation(self, loss: float, step: int, extra_metrics=None):
+        super().log_validation(loss, step, extra_metrics)  # console and TensorBoard (validation_metrics/loss)
+        if self.is_writer and self.config.jsonl_path:
+            record = getattr(self, "held_record", None) or {"step": step}
+            self.held_record = None
+            if record["step"] != step:
+                self._write(record)
+                record = {"step": step}
+            self._write({**record, "eval_loss": float(loss)})
 
 
 def release_free_memory() -> None:

@@ -26,6 +26,7 @@ LOCAL = "local"
 FILE_FORMATS = {".jsonl": "json", ".txt": "text"}
 # The name each rank registers a file or Hub dataset under in torchtitan's DATASETS.
 REGISTERED_NAME = {"file": "pipeline_file", "hub": "pipeline_hub"}
+EVAL_NAME = "pipeline_eval"  # the held-out file's (eval_file)
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 LINES_CHECKED = 5
 TEXT_BYTES_CHECKED = 1 << 16
@@ -199,8 +200,9 @@ def _check_titan_dataset(name: str) -> None:
                             "run from a torchtitan checkout, or give DATASET=<file>.")
 
 
-def register(source: DataSource) -> str:
-    """In a rank: add a file or Hub dataset to torchtitan's registry; returns the loader's name."""
+def register(source: DataSource, name: str | None = None) -> str:
+    """In a rank: add a file or Hub dataset to torchtitan's registry (under `name`, default the
+    kind's registered name); returns the loader's name."""
     if source.kind == "titan" or source.format == "chat":  # chat: training.chat's own loader reads the file
         return source.loader_name
     from datasets import load_dataset
@@ -219,9 +221,9 @@ def register(source: DataSource) -> str:
         def loader(path):
             return load_dataset(path, split="train", streaming=True)
         path = source.dataset
-    DATASETS[source.loader_name] = DatasetConfig(path=path, loader=_one_line_errors(loader, source),
-                                                 sample_processor=lambda s: s["text"])
-    return source.loader_name
+    name = name or source.loader_name
+    DATASETS[name] = DatasetConfig(path=path, loader=_one_line_errors(loader, source), sample_processor=lambda s: s["text"])
+    return name
 
 
 def _one_line_errors(loader, source: DataSource):
@@ -235,3 +237,31 @@ def _one_line_errors(loader, source: DataSource):
             raise PipelineError(f"the ranks cannot open DATASET={source.dataset} ({path}): {type(err).__name__}: {cause}",
                                 "check the data (FRESH=1 reads all of it before it starts a run).") from err
     return load
+
+
+def eval_file(settings, data: DataSource, local_file: Path, check_local: bool = True) -> str | None:
+    """The held-out file eval loss is computed on: `eval_dataset` when given (a file of the training
+    data's format), else the dataset's own held-out split (DATASET=chat: data/chat_eval.jsonl), else
+    None (no eval). Never the training file itself."""
+    if settings.eval_every <= 0:
+        return None
+    if settings.eval_steps < 1:
+        raise PipelineError(f"eval_steps = {settings.eval_steps}: eval needs at least one batch.",
+                            "set eval_steps ≥ 1, or eval_every = 0 to turn eval off.")
+    if not settings.eval_dataset:
+        if data.dataset != CHAT:
+            return None
+        held = Path(local_file).with_name(CHAT_EVAL_FILE)
+        if check_local and not held.exists():
+            raise PipelineError(f"{held} does not exist (the held-out split of DATASET=chat).",
+                                "run `make data` again (it writes both), or set eval_every = 0.")
+        return str(held)
+    path = Path(settings.eval_dataset).expanduser()
+    form = check_file(path)
+    if form != data.format:
+        raise PipelineError(f"eval_dataset {path} is {form} data and the training data is {data.format}.",
+                            "give a held-out file of the same kind.")
+    if data.file and path.resolve() == Path(data.file).resolve():
+        raise PipelineError(f"eval_dataset {path} is the training file: its loss says nothing about held-out data.",
+                            "give a held-out file the run does not train on.")
+    return str(path.resolve())

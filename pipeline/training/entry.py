@@ -38,15 +38,12 @@ def build_config(spec: RunSpec):
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.config.configs import CommConfig, DebugConfig
     from torchtitan.config.override import OverrideConfig
-    from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
-
     from pipeline.models import registry
     from pipeline.titan.trainer import JsonlMetricsProcessor, PipelineTrainer, WeightsCheckpointManager
 
     s = spec.settings
     run_dir = Path(spec.run_dir)
     source = dataset.DataSource(spec.data_kind, s.dataset, spec.data_file, spec.data_format)
-    dataset_name = dataset.register(source)
     model_spec = registry.get(spec.path).build(spec)
     config = PipelineTrainer.Config(
         run_dir=str(run_dir),
@@ -62,10 +59,11 @@ def build_config(spec: RunSpec):
             peak_flops_per_rank=spec.peak_flops_per_rank or 0.0,
             flops_per_token=spec.arch.flops_per_token(s.seq_len),
             memory_kind=MEMORY_KIND[spec.target],
+            eval_freq=s.eval_every if spec.eval_file else 0,
             disable_color_printing=True,
         ),
-        dataloader=chat.dataloader_config(spec.data_file) if source.format == "chat" else
-        HuggingFaceTextDataLoader.Config(dataset=dataset_name, infinite=True),
+        dataloader=_dataloader(source),
+        validator=_validator(spec),
         optimizer=default_adamw(lr=s.lr, weight_decay=0.0),
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=s.warmup_steps, decay_type="linear"),
         training=TrainingConfig(
@@ -99,6 +97,26 @@ def build_config(spec: RunSpec):
         override=OverrideConfig(imports=list(spec.overrides)),
     )
     return compat.apply_titan_args(config, spec.titan_args)
+
+
+def _dataloader(source: dataset.DataSource, name: str | None = None):
+    from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
+
+    if source.format == "chat":
+        return chat.dataloader_config(source.file)
+    return HuggingFaceTextDataLoader.Config(dataset=dataset.register(source, name), infinite=True)
+
+
+def _validator(spec: RunSpec):
+    """torchtitan's Validator on the held-out file (spec.eval_file): the same loader as training,
+    the first eval_steps batches each time, so successive eval losses compare."""
+    from torchtitan.components.validate import Validator
+
+    if not spec.eval_file:
+        return Validator.Config()
+    held = dataset.DataSource("file", spec.eval_file, spec.eval_file, spec.data_format)
+    return Validator.Config(enable=True, freq=spec.settings.eval_every, steps=spec.settings.eval_steps,
+                            dataloader=_dataloader(held, name=dataset.EVAL_NAME))
 
 
 def _die_with_torchrun() -> None:

@@ -62,10 +62,11 @@ def resolve(request: RunRequest) -> RunSpec:
         source_dir = home.source_dir(request.revision)
         arch = hf_dir.validate(source_dir).arch
     data = dataset.resolve(cfg.dataset, home.data_file, check_local=not request.dry_run, model=request.model)
+    eval_file = dataset.eval_file(cfg, data, home.data_file, check_local=not request.dry_run)
     spec = RunSpec(
         model=request.model, model_key=home.source.key, path=path.name, target=target.name,
         source_dir=str(source_dir), run_dir=str(request.run_dir or home.run(request.name or path.name).path), arch=arch, settings=cfg,
-        data_kind=data.kind, data_file=data.file, data_format=data.format,
+        data_kind=data.kind, data_file=data.file, data_format=data.format, eval_file=eval_file,
         peak_flops_per_rank=target.peak_flops_per_rank(cfg.lnc),
         overrides=list(path.overrides(target.name, cfg)), titan_args=list(request.titan_args),
     )
