@@ -168,3 +168,13 @@ def test_a_new_experiment_in_a_trained_run_is_refused_and_a_named_one_trains(che
     assert (named.export / "config.json").exists() and not run.export.exists()
     ok(pipeline_cli(*first, "--steps", "2", root=root))  # more STEPS, same settings: continues
     assert [r["step"] for r in run.metric_records()] == [1, 2]
+
+
+def test_a_setting_added_since_the_run_was_recorded_reads_as_its_default(tmp_path, spec):
+    run = recorded_run(tmp_path / "runs" / "native", spec)
+    old = json.loads(run.run_json.read_text())
+    del old["settings"]["eval_steps"], old["data_format"]  # as an older pipeline wrote run.json
+    run.run_json.write_text(json.dumps(old))
+    continuation.check_continues(run, spec)
+    with pytest.raises(PipelineError, match=r"eval_steps \(4 → 9\)"):
+        continuation.check_continues(run, changed(spec, eval_steps=9))

@@ -41,9 +41,20 @@ def flatten(record: dict) -> dict:
 
 def differences(recorded: dict, resolved: dict) -> list[str]:
     """The compared keys whose values differ (settings.* named by the setting alone)."""
-    old, new = flatten(recorded), flatten(resolved)
+    old, new = flatten(_with_defaults(recorded)), flatten(resolved)
     keys = sorted((set(old) | set(new)) - NOT_COMPARED)
     return [k.removeprefix("settings.") for k in keys if old.get(k) != new.get(k)]
+
+
+def _with_defaults(recorded: dict) -> dict:
+    """A run.json written before a setting or field existed, read with that field's default (what
+    the run did), so adding a setting to the pipeline does not turn every old run into another."""
+    from pipeline.run.spec import RunSpec
+
+    try:
+        return {**recorded, **RunSpec.from_dict(recorded).to_dict()}
+    except (TypeError, KeyError, ValueError):
+        return recorded
 
 
 def has_progress(run: RunDir) -> bool:
@@ -63,6 +74,7 @@ def check_continues(run: RunDir, spec) -> None:
         raise PipelineError(f"{run.run_json} is unreadable ({err}); the run there cannot be continued.",
                             f"start it again with FRESH=1, or give the new run another RUN_NAME.") from err
     ways_on = (f"give the new experiment its own name (RUN_NAME=<name>), or discard run {run_name!r} with FRESH=1")
+    recorded = _with_defaults(recorded)
     changed = differences(recorded, spec.to_dict())
     if changed:
         shown = ", ".join(f"{k} ({_value(recorded, k)} → {_value(spec.to_dict(), k)})" for k in changed[:6])

@@ -45,6 +45,7 @@ class RunSummary:
     planned_steps: int | None
     step1_loss: float | None
     final_loss: float
+    eval_losses: list[tuple[int, float]]  # (step, held-out eval loss), when the run computed it
     first_step_s: float | None
     median_step_s: float | None  # after the first (compile/warm-up) step
     median_tokens_per_s: float | None
@@ -158,7 +159,7 @@ def summarize(r: Run) -> RunSummary:
     memory = [rec["memory_gib"] for rec in r.records if isinstance(rec.get("memory_gib"), (int, float))]
     return RunSummary(
         path=r.path, steps_logged=len(r.records), last_step=r.records[-1]["step"], planned_steps=r.planned_steps,
-        step1_loss=step1, final_loss=r.records[-1]["loss"],
+        step1_loss=step1, final_loss=r.records[-1]["loss"], eval_losses=list(zip(*r.series("eval_loss"))),
         first_step_s=first.get("step_time_s") if first["step"] == 1 else None,
         median_step_s=_median(rest, "step_time_s"), median_tokens_per_s=_median(rest, "tokens_per_s"),
         median_mfu=_median(rest, "mfu"), peak_memory_gib=max(memory) if memory else None,
@@ -187,6 +188,7 @@ def render_summary(collection: Collection, summaries: list[RunSummary]) -> str:
             ("steps", steps),
             ("step-1 loss", _fmt(s.step1_loss, ".6f") if s.step1_loss is not None else "— (step 1 not logged)"),
             ("final loss", f"{s.final_loss:.6f} (step {s.last_step})"),
+            ("eval loss (held out)", _eval_cell(s.eval_losses)),
             ("first step", _fmt(s.first_step_s, ".2f", " s") + " (includes compile/warm-up)"),
             ("median step after step 1", _fmt(s.median_step_s, ".3f", " s")),
             ("median tokens/s after step 1", _fmt(s.median_tokens_per_s, ",.1f", " (all ranks)")),
@@ -200,6 +202,13 @@ def render_summary(collection: Collection, summaries: list[RunSummary]) -> str:
         lines += [f"| {name} | {value} |" for name, value in rows]
         lines.append("")
     return "\n".join(lines)
+
+
+def _eval_cell(points: list[tuple[int, float]]) -> str:
+    if not points:
+        return "— (no eval: eval_every = 0 or no held-out split)"
+    (first_step, first), (last_step, last) = points[0], points[-1]
+    return f"{first:.6f} (step {first_step}) → {last:.6f} (step {last_step}), {len(points)} evals"
 
 
 def _verify_cell(verify: dict | None) -> str:
@@ -253,6 +262,9 @@ def draw_curves(collection: Collection, output: Path) -> None:
                 linestyle, marker = _look(r.path).line
                 ax.plot(steps, values, linestyle=linestyle, marker=marker, markersize=4, linewidth=1.8,
                         color=_look(r.path).colour, label=r.path)
+            if key == "loss" and r.series("eval_loss")[0]:  # held-out eval loss beside the training loss
+                ax.plot(*r.series("eval_loss"), linestyle=":", marker="s", markersize=5, linewidth=1.5,
+                        color=_look(r.path).colour, label=f"{r.path} eval (held out)")
         ax.set_title(title, fontsize=12)
         ax.set_ylabel(ylabel, fontsize=10)
         ax.grid(True, alpha=0.3)
