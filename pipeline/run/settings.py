@@ -57,6 +57,10 @@ class TrainSettings:
     eval_steps: int = 4
     eval_dataset: str = ""
     tensorboard: bool = True
+    # Weights & Biases through torchtitan's WandBLogger: project `wandb_project`, run name
+    # <model key>/<run name>; WANDB_MODE=offline keeps it on disk (wandb sync uploads it later).
+    wandb: bool = False
+    wandb_project: str = "qwen3-pipeline"
     lnc: int = 1
     constraint_policy: str = "error"
     nki_overrides: list = field(default_factory=list)

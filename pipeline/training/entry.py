@@ -55,6 +55,7 @@ def build_config(spec: RunSpec):
         metrics=JsonlMetricsProcessor.Config(
             log_freq=1,
             enable_tensorboard=s.tensorboard,
+            enable_wandb=s.wandb,
             jsonl_path=str(run_dir / rundir.METRICS),
             peak_flops_per_rank=spec.peak_flops_per_rank or 0.0,
             flops_per_token=spec.arch.flops_per_token(s.seq_len),
@@ -226,6 +227,9 @@ def run(spec: RunSpec, rank: int) -> None:
     if os.environ.get("PIPELINE_LAUNCHED_AT"):  # set by the train stage as it starts torchrun
         TIMINGS["launched"] = float(os.environ["PIPELINE_LAUNCHED_AT"])
     check_overrides(spec, rank)
+    if spec.settings.wandb:  # torchtitan's WandBLogger reads these; a user's own values win
+        os.environ.setdefault("WANDB_PROJECT", spec.settings.wandb_project)
+        os.environ.setdefault("WANDB_RUN_NAME", f"{spec.model_key}/{Path(spec.run_dir).name}")
     trainer = build_config(spec).build()
     TIMINGS["built"] = time.time()
     try:

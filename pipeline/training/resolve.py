@@ -72,6 +72,7 @@ def resolve(request: RunRequest) -> RunSpec:
     )
     check_parallelism(spec)
     check_device_choices(spec)
+    check_wandb(spec)
     if path.prepare is not None:
         path.prepare(spec, request.dry_run)  # the path's own rules (kernel constraints) first: they name the fix
     spec.memory = memory.check(spec.arch, spec.settings, spec.path, spec.target).to_dict()
@@ -118,6 +119,15 @@ def check_parallelism(spec: RunSpec) -> None:
         raise PipelineError(f"data_parallel_shard={s.data_parallel_shard} × tensor_parallel={tp} ≠ {world} ranks.",
                             "set data_parallel_shard = -1 to use every remaining rank.")
 
+
+
+def check_wandb(spec: RunSpec) -> None:
+    """wandb = true needs the wandb package where the ranks run (torchtitan would only log an error)."""
+    import importlib.util
+
+    if spec.settings.wandb and importlib.util.find_spec("wandb") is None:
+        raise PipelineError("wandb = true but the wandb package is not installed.",
+                            "pip install wandb (or set wandb = false).")
 
 
 def check_device_choices(spec: RunSpec) -> None:

@@ -1,0 +1,35 @@
+"""`make sft`: the documented one-command chat fine-tuning of the embedded tiny — trains on the chat
+set `make data` writes, with held-out eval loss falling, exports and verifies the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from conftest import REPO, copy_model
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("make") is None, reason="GNU make is not installed")]
+
+
+def test_make_sft_trains_exports_and_verifies_with_eval_loss_falling(checkpoints, tmp_path):
+    root = copy_model(checkpoints, tmp_path / "root", link=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "IN_CONTAINER")}
+    env |= {"PIPELINE_CHECKPOINTS": str(root), "MALLOC_MMAP_THRESHOLD_": "4294967296"}
+    result = subprocess.run(["make", "--no-print-directory", "sft", "MODEL=tiny"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run = root / "tiny" / "runs" / "sft"
+    spec = json.loads((run / "run.json").read_text())
+    assert spec["data_format"] == "chat" and spec["eval_file"].endswith("chat_eval.jsonl")
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, spec["settings"]["steps"] + 1))  # one line per step
+    evals = [r["eval_loss"] for r in records if "eval_loss" in r]
+    assert [r["step"] for r in records if "eval_loss" in r] == [1, 5, 10, 15, 20]
+    assert evals[-1] < evals[0] - 0.1, evals  # the held-out conversations get likelier
+    assert json.loads((run / "verify.json").read_text())["passed"]
+    assert (run / "export" / "config.json").exists()
+    assert "PASSED" in result.stdout
