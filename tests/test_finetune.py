@@ -33,3 +33,21 @@ def test_make_sft_trains_exports_and_verifies_with_eval_loss_falling(checkpoints
     assert json.loads((run / "verify.json").read_text())["passed"]
     assert (run / "export" / "config.json").exists()
     assert "PASSED" in result.stdout
+
+
+def test_wandb_offline_logs_the_run_under_its_name(checkpoints, tmp_path):
+    pytest.importorskip("wandb", reason="wandb is not installed in this environment")
+    from tiny_checkpoint import ok, pipeline_cli
+
+    root = copy_model(checkpoints, tmp_path / "root", link=True)
+    config = tmp_path / "wandb.toml"
+    config.write_text('[train]\nwandb = true\nwandb_project = "ft-test"\n')
+    ok(pipeline_cli("train", "--model", "tiny", "--path", "native", "--steps", "2", "--nproc-per-node", "1",
+                    "--config", str(config), "--name", "logged", root=root,
+                    env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"}))
+    run = root / "tiny" / "runs" / "logged"
+    offline = sorted(run.rglob("offline-run-*"))
+    assert offline, sorted(str(p.relative_to(run)) for p in run.rglob("*"))[:40]
+    history = b"".join(p.read_bytes() for p in offline[0].glob("*.wandb"))
+    assert b"tiny/logged" in history and b"ft-test" in history  # run name and project recorded
+    assert b"loss_metrics/global_avg_loss" in history  # the steps' metrics were logged

@@ -178,3 +178,18 @@ def test_a_setting_added_since_the_run_was_recorded_reads_as_its_default(tmp_pat
     continuation.check_continues(run, spec)
     with pytest.raises(PipelineError, match=r"eval_steps \(4 → 9\)"):
         continuation.check_continues(run, changed(spec, eval_steps=9))
+
+
+@pytest.mark.slow
+def test_a_rank_that_cannot_read_the_data_stops_in_one_line(checkpoints, tmp_path):
+    """Without FRESH nothing is deleted, so the launcher only looks at the first lines; the ranks'
+    loader then fails on line 7, and that is one line, not a traceback per rank."""
+    root = copy_model(checkpoints, tmp_path / "root", link=True)
+    result = pipeline_cli("train", "--model", "tiny", "--path", "native", "--steps", "1", "--nproc-per-node", "2",
+                          "--dataset", str(broken_after_the_first_lines(tmp_path)), "--name", "broken", root=root)
+    assert result.returncode == 2, result.stderr[-3000:]
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert "the ranks cannot open DATASET=" in line and "mine.jsonl" in line and "Fix:" in line
+    # No rank's traceback (the data is opened before torchtitan's Trainer, whose error record torchrun
+    # would print per rank); torchrun's own ChildFailedError summary is the one left.
+    assert result.stderr.count("Traceback") <= 1 and "datasets/" not in result.stderr, result.stderr[-3000:]

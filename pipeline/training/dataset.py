@@ -226,6 +226,19 @@ def register(source: DataSource, name: str | None = None) -> str:
     return name
 
 
+def open_in_rank(source: DataSource) -> None:
+    """In a rank, before torchtitan's Trainer is built: open a file dataset as its loader will (the
+    datasets cache makes the loader's own open cheap). An error here is the rank's one line; inside
+    the Trainer's constructor torchrun's error record would add a traceback per rank."""
+    if source.kind != "file":
+        return
+    from datasets import load_dataset
+
+    builder = "json" if FILE_FORMATS[Path(source.file).suffix] == "json" else "text"
+    extra = {"sample_by": "paragraph"} if builder == "text" else {}
+    _one_line_errors(lambda path: load_dataset(builder, data_files=path, split="train", **extra), source)(source.file)
+
+
 def _one_line_errors(loader, source: DataSource):
     """A loader whose failure to open the data stops the rank with one line (failure.json), which the
     launcher reports, instead of a traceback from every rank."""

@@ -227,6 +227,9 @@ def run(spec: RunSpec, rank: int) -> None:
     if os.environ.get("PIPELINE_LAUNCHED_AT"):  # set by the train stage as it starts torchrun
         TIMINGS["launched"] = float(os.environ["PIPELINE_LAUNCHED_AT"])
     check_overrides(spec, rank)
+    dataset.open_in_rank(dataset.DataSource(spec.data_kind, spec.settings.dataset, spec.data_file, spec.data_format))
+    if spec.eval_file:
+        dataset.open_in_rank(dataset.DataSource("file", spec.eval_file, spec.eval_file, spec.data_format))
     if spec.settings.wandb:  # torchtitan's WandBLogger reads these; a user's own values win
         os.environ.setdefault("WANDB_PROJECT", spec.settings.wandb_project)
         os.environ.setdefault("WANDB_RUN_NAME", f"{spec.model_key}/{Path(spec.run_dir).name}")
