@@ -149,7 +149,16 @@ class WeightsCheckpointManager(compat.checkpoint_manager_base()):
 
     @dataclass(kw_only=True, slots=True)
     class Config(compat.checkpoint_manager_base().Config):
-        pass
+        lora_rank: int = 0
+        lora_alpha: float = 16.0
+        kv_heads: int = 0  # the model's, for LoRA's merge into the fused wqkv's wq/wk/wv
+
+    lora: tuple[int, float, int] | None = None  # (rank, alpha, kv heads) of a LoRA run, from the config
+
+    def __init__(self, config: Config, **kwargs):
+        super().__init__(config, **kwargs)
+        if config.lora_rank > 0:
+            self.lora = (config.lora_rank, config.lora_alpha, config.kv_heads)
 
     def before_save(self, step: int, last_step: bool) -> None:
         release_free_memory()  # what the steps keep for themselves is not needed while saving
@@ -201,6 +210,10 @@ class WeightsCheckpointManager(compat.checkpoint_manager_base()):
         # keys torchtitan's state-dict hooks make (fused wqkv split into wq/wk/wv). torchtitan's own
         # ModelWrapper gives the canonical keys, in the model's order, the same on every rank.
         state = list(self.states[MODEL].state_dict().items())
+        if self.lora is not None:  # LoRA: the merged weights, a plain model for export and verify
+            from pipeline.models import lora
+
+            state = lora.merged(state, *self.lora)
         aliases = [_aliases(state) if rank == 0 else None]
         if distributed:
             torch.distributed.broadcast_object_list(aliases, src=0)
@@ -288,6 +301,14 @@ class PipelineTrainer(Trainer):
         run_dir: str = ""
         record_plan: bool = False
         """Write <run dir>/plan/rank<N>.json: layout after parallelisation, module I/O and collectives of step 1."""
+
+    def __init__(self, config, **kwargs):
+        super().__init__(config, **kwargs)
+        if getattr(self.checkpointer, "lora", None):
+            from pipeline.models import lora
+
+            trainable = lora.freeze_base(self.model_parts)
+            logger.info(f"LoRA: {trainable:,} adapter parameters train, the rest is frozen")
 
     def forward_backward_step(self, **kwargs):
         if not self.config.record_plan or self.step != 1 or getattr(self, "_plan_recorded", False):

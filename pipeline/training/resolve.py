@@ -73,6 +73,7 @@ def resolve(request: RunRequest) -> RunSpec:
     check_parallelism(spec)
     check_device_choices(spec)
     check_wandb(spec)
+    check_lora(spec)
     if path.prepare is not None:
         path.prepare(spec, request.dry_run)  # the path's own rules (kernel constraints) first: they name the fix
     spec.memory = memory.check(spec.arch, spec.settings, spec.path, spec.target).to_dict()
@@ -119,6 +120,19 @@ def check_parallelism(spec: RunSpec) -> None:
         raise PipelineError(f"data_parallel_shard={s.data_parallel_shard} × tensor_parallel={tp} ≠ {world} ranks.",
                             "set data_parallel_shard = -1 to use every remaining rank.")
 
+
+
+def check_lora(spec: RunSpec) -> None:
+    """LoRA goes through torchtitan's model-config converter, which the native model config has;
+    the hf path's model is transformers' own module tree."""
+    s = spec.settings
+    if s.lora_rank < 0 or (s.lora_rank and s.lora_alpha <= 0):
+        raise PipelineError(f"lora_rank = {s.lora_rank}, lora_alpha = {s.lora_alpha}: rank must be ≥ 0 (0: off) "
+                            "and alpha > 0.", "fix them in your config.")
+    if s.lora_rank and spec.path == "hf":
+        raise PipelineError("LoRA (lora_rank > 0) runs on the native and nki paths (torchtitan's LoRA converter "
+                            "works on torchtitan's model configs); the hf path trains transformers' own modules.",
+                            "use `make train-native` (or train-nki), or lora_rank = 0.")
 
 
 def check_wandb(spec: RunSpec) -> None:
