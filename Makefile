@@ -79,7 +79,7 @@ TRAIN_DEPS := $(if $(call on,DRY_RUN),,download data)
 EMBEDDED_MODELS := tiny tiny-moe
 
 .PHONY: help setup python-check download data train-hf train-native train-nki export verify-checkpoint \
-        verify-kernels report image doctor launch-slurm launch-eks rehearse pipeline sft test test-fast bench clean distclean
+        verify-kernels report image doctor launch-slurm launch-eks rehearse pipeline sft lora test test-fast bench clean distclean
 
 help: ## list the targets and variables
 	@echo "targets:"
@@ -151,6 +151,13 @@ rehearse: setup download data ## trn2.toml's parallel plan on CPU ranks (hf, nat
 sft: CONFIG ?= configs/finetune/sft.toml
 sft: RUN_NAME ?= sft
 sft: setup $(TRAIN_DEPS) ## supervised fine-tuning on chat data (configs/finetune/sft.toml: DATASET=chat, loss on assistant turns, eval loss), then export + verify → runs/<RUN_NAME, default sft>
+	$(PIPE) train --path $(TRAIN_PATH) $(TRAIN_FLAGS)
+	$(if $(call on,DRY_RUN),,$(PIPE) export --model $(MODEL) --path $(TRAIN_PATH) --name $(RUN_NAME) --dtype float32 --force)
+	$(if $(call on,DRY_RUN),,$(PIPE) verify --model $(MODEL) --path $(TRAIN_PATH) --name $(RUN_NAME))
+
+lora: CONFIG ?= configs/finetune/lora.toml
+lora: RUN_NAME ?= lora
+lora: setup $(TRAIN_DEPS) ## LoRA fine-tuning on chat data (configs/finetune/lora.toml; native or nki), then export (merged weights) + verify → runs/<RUN_NAME, default lora>
 	$(PIPE) train --path $(TRAIN_PATH) $(TRAIN_FLAGS)
 	$(if $(call on,DRY_RUN),,$(PIPE) export --model $(MODEL) --path $(TRAIN_PATH) --name $(RUN_NAME) --dtype float32 --force)
 	$(if $(call on,DRY_RUN),,$(PIPE) verify --model $(MODEL) --path $(TRAIN_PATH) --name $(RUN_NAME))

@@ -51,3 +51,28 @@ def test_wandb_offline_logs_the_run_under_its_name(checkpoints, tmp_path):
     history = b"".join(p.read_bytes() for p in offline[0].glob("*.wandb"))
     assert b"tiny/logged" in history and b"ft-test" in history  # run name and project recorded
     assert b"loss_metrics/global_avg_loss" in history  # the steps' metrics were logged
+
+
+def test_make_lora_trains_adapters_only_and_exports_merged_weights(checkpoints, tmp_path):
+    """`make lora`: eval loss falls; the export is a plain checkpoint whose frozen tensors (embeddings,
+    norms, lm_head) are the source's bit for bit and whose adapted projections moved; verify passes."""
+    from conftest import tensors
+
+    root = copy_model(checkpoints, tmp_path / "root", link=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "IN_CONTAINER")}
+    env |= {"PIPELINE_CHECKPOINTS": str(root), "MALLOC_MMAP_THRESHOLD_": "4294967296"}
+    result = subprocess.run(["make", "--no-print-directory", "lora", "MODEL=tiny"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run = root / "tiny" / "runs" / "lora"
+    assert json.loads((run / "run.json").read_text())["settings"]["lora_rank"] == 8
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = [r["eval_loss"] for r in records if "eval_loss" in r]
+    assert len(evals) == 5 and evals[-1] < evals[0] - 0.05, evals
+    assert json.loads((run / "verify.json").read_text())["passed"]
+    exported, source = tensors(run / "export"), tensors(root / "tiny" / "source")
+    assert set(exported) == set(source)  # no adapter keys: the merged, plain layout
+    projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    for key, value in source.items():
+        moved = not exported[key].equal(value)
+        assert moved == any(p in key for p in projections), key
