@@ -61,6 +61,17 @@ def test_merged_weights_reproduce_the_lora_model_in_a_plain_one(tmp_path):
     assert out["lora_keys"] == [] and out["keys"] == out["plain_keys"]  # a plain model's state dict
     assert out["diff"] < 1e-5, out
     assert out["targets"] == ["lora_a", "lora_b"] and out["trainable"] > 0  # only adapters train
+    # the memory estimate counts the adapters the converter really made (gradients, AdamW state)
+    from dataclasses import replace
+
+    from pipeline.training import memory
+    from pipeline.training.resolve import RunRequest, resolve
+
+    spec = resolve(RunRequest(model="tiny", path="native", target="cpu", dry_run=True, checkpoints_root=tmp_path))
+    settings = replace(spec.settings, lora_rank=4, lora_alpha=8.0)
+    assert memory.lora_params(spec.arch, settings) == out["trainable"]
+    estimate = memory.estimate(spec.arch, settings, "native", "cpu")
+    assert estimate.parts["optimizer"] == 8 * out["trainable"] / settings.world_size
 
 
 def test_the_hf_path_refuses_lora_in_one_line(tmp_path):

@@ -118,10 +118,12 @@ def estimate(arch: Qwen3Arch, settings: TrainSettings, path: str, target: str) -
     per_tp_rank = sum(v / tp if k in plan.tp_sharded else v for k, v in counts.items())
     params_rank = per_tp_rank / dp
     compute = BYTES[settings.dtype]
+    adapters = lora_params(arch, settings) / dp if settings.lora_rank else 0.0
+    trained = adapters if settings.lora_rank else params_rank  # LoRA: gradients and AdamW state for adapters only
     parts = {
-        "parameters": 4 * params_rank,
-        "gradients": 4 * params_rank,
-        "optimizer": 8 * params_rank,
+        "parameters": 4 * (params_rank + adapters),
+        "gradients": 4 * trained,
+        "optimizer": 8 * trained,
     }
     # FSDP units: each layer, the embedding, the lm_head (tied: one). Gathered in the compute dtype,
     # the next one prefetched; one unit's float32 gradients before the reduce-scatter.
@@ -143,8 +145,23 @@ def estimate(arch: Qwen3Arch, settings: TrainSettings, path: str, target: str) -
     # 4 vocab-sized float32 tensors alive at the peak).
     parts["logits"] = tokens * vocab * (compute + 12)
     notes = [f"TP {tp} × FSDP {dp}; {'SP; ' if plan.sequence_parallel else ''}activation checkpointing "
-             f"{settings.activation_checkpoint}; seq_len {settings.seq_len} × local batch {settings.local_batch_size}"]
+             f"{settings.activation_checkpoint}; seq_len {settings.seq_len} × local batch {settings.local_batch_size}"
+             + (f"; LoRA rank {settings.lora_rank}: gradients and optimizer state for "
+                f"{lora_params(arch, settings):,} adapter parameters" if settings.lora_rank else "")]
     return MemoryEstimate(parts, capacity_per_rank(target, settings.lnc), notes)
+
+
+def lora_params(arch: Qwen3Arch, settings: TrainSettings) -> int:
+    """Adapter parameters of a LoRA run: rank × (in + out) per adapted projection (pipeline.models.lora;
+    wqkv is one fused projection; MoE experts are no Linear and get none)."""
+    from pipeline.models import lora
+
+    h, hd, inter = arch.hidden_size, arch.head_dim, arch.intermediate_size
+    qkv = (arch.num_attention_heads + 2 * arch.num_key_value_heads) * hd
+    sizes = {"wqkv": h + qkv, "wo": arch.num_attention_heads * hd + h}
+    if not arch.is_moe:
+        sizes |= {"w1": h + inter, "w2": inter + h, "w3": h + inter}
+    return settings.lora_rank * arch.num_hidden_layers * sum(sizes.get(t, 0) for t in lora.targets(settings))
 
 
 def check(arch: Qwen3Arch, settings: TrainSettings, path: str, target: str) -> MemoryEstimate:
