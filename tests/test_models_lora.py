@@ -22,6 +22,7 @@ MERGE_CHECK = textwrap.dedent("""
     compat.apply("cpu")
     from torchtitan.components.checkpointer import ModelWrapper
     from pipeline.models import lora, registry
+    from pipeline.titan import lora as titan_lora
     from pipeline.training.resolve import RunRequest, resolve
 
     spec = resolve(RunRequest(model="tiny", path="native", target="cpu", dry_run=True, nproc_per_node=1))
@@ -35,10 +36,10 @@ MERGE_CHECK = textwrap.dedent("""
         for name, param in adapted.named_parameters():
             if name.endswith("lora_b.weight"):
                 param.normal_(std=0.05)
-    trainable = lora.freeze_base([adapted])
+    trainable = titan_lora.freeze_base([adapted])
     plain = plain_spec.model.build()
     plain.init_states()  # buffers (RoPE tables) are not in the state dict
-    state = lora.merged(list(ModelWrapper(adapted).state_dict().items()), 4, 8.0, spec.arch.num_key_value_heads)
+    state = titan_lora.merged(list(ModelWrapper(adapted).state_dict().items()), 4, 8.0, spec.arch.num_key_value_heads)
     ModelWrapper(plain).load_state_dict(dict(state))
     tokens = torch.randint(0, 1000, (1, 16))
     positions = torch.arange(16).unsqueeze(0)

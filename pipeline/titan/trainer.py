@@ -211,7 +211,7 @@ class WeightsCheckpointManager(compat.checkpoint_manager_base()):
         # ModelWrapper gives the canonical keys, in the model's order, the same on every rank.
         state = list(self.states[MODEL].state_dict().items())
         if self.lora is not None:  # LoRA: the merged weights, a plain model for export and verify
-            from pipeline.models import lora
+            from pipeline.titan import lora
 
             state = lora.merged(state, *self.lora)
         aliases = [_aliases(state) if rank == 0 else None]
@@ -305,7 +305,7 @@ class PipelineTrainer(Trainer):
     def __init__(self, config, **kwargs):
         super().__init__(config, **kwargs)
         if getattr(self.checkpointer, "lora", None):
-            from pipeline.models import lora
+            from pipeline.titan import lora
 
             trainable = lora.freeze_base(self.model_parts)
             logger.info(f"LoRA: {trainable:,} adapter parameters train, the rest is frozen")
