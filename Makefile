@@ -146,21 +146,22 @@ launch-eks: setup ## render Kubernetes manifests for NODES trn2 nodes
 rehearse: setup download data ## trn2.toml's parallel plan on CPU ranks (hf, native, nki), export + verify each, and the launch files on NODES "nodes" → checkpoints/<key>/rehearse
 	$(PIPE) rehearse --model $(MODEL) $(if $(STEPS),--steps $(STEPS)) --nodes $(or $(NODES),2)
 
-# Chat fine-tuning in one command: train the run, export it, verify the export. A second `make sft`
-# with the same settings finds the run finished (more STEPS continues it; FRESH=1 starts again).
+# Chat fine-tuning in one command: train the run, export it, verify the export.
+define FINETUNE
+$(PIPE) train --path $(TRAIN_PATH) $(TRAIN_FLAGS)
+$(if $(call on,DRY_RUN),,$(PIPE) export --model $(MODEL) --path $(TRAIN_PATH) --name $(RUN_NAME) --dtype float32 --force)
+$(if $(call on,DRY_RUN),,$(PIPE) verify --model $(MODEL) --path $(TRAIN_PATH) --name $(RUN_NAME))
+endef
+# A second `make sft` with the same settings finds the run finished (more STEPS continues it; FRESH=1 starts again).
 sft: CONFIG ?= configs/finetune/sft.toml
 sft: RUN_NAME ?= sft
 sft: setup $(TRAIN_DEPS) ## supervised fine-tuning on chat data (configs/finetune/sft.toml: DATASET=chat, loss on assistant turns, eval loss), then export + verify → runs/<RUN_NAME, default sft>
-	$(PIPE) train --path $(TRAIN_PATH) $(TRAIN_FLAGS)
-	$(if $(call on,DRY_RUN),,$(PIPE) export --model $(MODEL) --path $(TRAIN_PATH) --name $(RUN_NAME) --dtype float32 --force)
-	$(if $(call on,DRY_RUN),,$(PIPE) verify --model $(MODEL) --path $(TRAIN_PATH) --name $(RUN_NAME))
+	$(FINETUNE)
 
 lora: CONFIG ?= configs/finetune/lora.toml
 lora: RUN_NAME ?= lora
 lora: setup $(TRAIN_DEPS) ## LoRA fine-tuning on chat data (configs/finetune/lora.toml; native or nki), then export (merged weights) + verify → runs/<RUN_NAME, default lora>
-	$(PIPE) train --path $(TRAIN_PATH) $(TRAIN_FLAGS)
-	$(if $(call on,DRY_RUN),,$(PIPE) export --model $(MODEL) --path $(TRAIN_PATH) --name $(RUN_NAME) --dtype float32 --force)
-	$(if $(call on,DRY_RUN),,$(PIPE) verify --model $(MODEL) --path $(TRAIN_PATH) --name $(RUN_NAME))
+	$(FINETUNE)
 
 pipeline: setup ## the whole pipeline on the embedded defaults (tiny and tiny-moe)
 	set -e; for m in $(EMBEDDED_MODELS); do \

@@ -7,21 +7,28 @@ import json
 import os
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
 from conftest import REPO, copy_model
 
+def make_in_own_root(target: str, checkpoints: Path, tmp_path: Path) -> tuple[Path, subprocess.CompletedProcess]:
+    """`make <target> MODEL=tiny` as a user runs it, in a checkpoints root of its own (tiny linked in)."""
+    root = copy_model(checkpoints, tmp_path / "root", link=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "IN_CONTAINER")}
+    env |= {"PIPELINE_CHECKPOINTS": str(root), "MALLOC_MMAP_THRESHOLD_": "4294967296"}
+    result = subprocess.run(["make", "--no-print-directory", target, "MODEL=tiny"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return root, result
+
+
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("make") is None, reason="GNU make is not installed")]
 
 
 def test_make_sft_trains_exports_and_verifies_with_eval_loss_falling(checkpoints, tmp_path):
-    root = copy_model(checkpoints, tmp_path / "root", link=True)
-    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "IN_CONTAINER")}
-    env |= {"PIPELINE_CHECKPOINTS": str(root), "MALLOC_MMAP_THRESHOLD_": "4294967296"}
-    result = subprocess.run(["make", "--no-print-directory", "sft", "MODEL=tiny"], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    root, result = make_in_own_root("sft", checkpoints, tmp_path)
     run = root / "tiny" / "runs" / "sft"
     spec = json.loads((run / "run.json").read_text())
     assert spec["data_format"] == "chat" and spec["eval_file"].endswith("chat_eval.jsonl")
@@ -58,12 +65,7 @@ def test_make_lora_trains_adapters_only_and_exports_merged_weights(checkpoints, 
     norms, lm_head) are the source's bit for bit and whose adapted projections moved; verify passes."""
     from conftest import tensors
 
-    root = copy_model(checkpoints, tmp_path / "root", link=True)
-    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "IN_CONTAINER")}
-    env |= {"PIPELINE_CHECKPOINTS": str(root), "MALLOC_MMAP_THRESHOLD_": "4294967296"}
-    result = subprocess.run(["make", "--no-print-directory", "lora", "MODEL=tiny"], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    root, _result = make_in_own_root("lora", checkpoints, tmp_path)
     run = root / "tiny" / "runs" / "lora"
     assert json.loads((run / "run.json").read_text())["settings"]["lora_rank"] == 8
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
