@@ -26,7 +26,7 @@ from pipeline.checkpoint.arch import Qwen3Arch, load_arch
 from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_directory
 from pipeline.models import registry
-from pipeline.run import store
+from pipeline.run import model_card, store
 from pipeline.run.rundir import RunDir
 from pipeline.run.settings import DTYPES
 from pipeline.run.spec import RunSpec
@@ -219,6 +219,7 @@ def export(config: ExportConfig) -> Path:
             if (source / name).exists():
                 shutil.copy2(source / name, tmp / name)
         hf_dir.validate(tmp)
+        model_card.write(tmp, config.run, step, config.dtype)
         manifest.write(tmp, {"step": step, "dtype": config.dtype, "source": str(source),
                              "run_dir": str(config.run.path), "weights": str(weights)}, known=hashes)
     size = sum(p.stat().st_size for p in config.target.glob("*.safetensors"))
