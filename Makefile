@@ -32,7 +32,8 @@ DATASET|config|local (the model's data/train.jsonl), a .jsonl/.txt file, a torch
 REVISION|configs/models.toml|Hub revision (commit) to download and train from
 TITAN_ARGS||torchtitan flags over the built config, e.g. "--training.steps 5 --lr-scheduler.warmup-steps 1" (--help lists them)
 DRY_RUN|0|1: resolve and print the run and its torchrun command, launch nothing
-FRESH|0|1: discard the run's checkpoints instead of resuming
+RUN_NAME|TRAIN_PATH|the run's name: its folder checkpoints/<key>/runs/<name>; a re-run continues it only with the same settings
+FRESH|0|1: discard the run (its checkpoints, metrics, export and verify results) and start it again
 FORCE|0|1: replace an existing download or export
 DTYPE|$(DTYPE)|export dtype: bfloat16 or float32
 MAX_SHARD_SIZE|5GB|largest export shard
@@ -90,7 +91,7 @@ TRAIN_FLAGS = --model $(MODEL) $(if $(TARGET),--target $(TARGET)) $(if $(STEPS),
               $(if $(SEQ_LEN),--seq-len $(SEQ_LEN)) $(if $(NPROC),--nproc-per-node $(NPROC)) \
               $(if $(CONFIG),--config $(CONFIG)) $(if $(DATASET),--dataset $(DATASET)) \
               $(if $(REVISION),--revision $(REVISION)) $(if $(TITAN_ARGS),--titan-args='$(subst ','\'',$(TITAN_ARGS))') \
-              $(if $(call on,DRY_RUN),--dry-run) $(if $(call on,FRESH),--fresh)
+              $(if $(call on,DRY_RUN),--dry-run) $(if $(call on,FRESH),--fresh) $(if $(RUN_NAME),--name $(RUN_NAME))
 HOST_PIPE := $(PY) -m pipeline
 # IN_CONTAINER=1: every stage runs inside the image (IMAGE, default the lock-derived tag) through
 # `python -m pipeline image --run`; image, doctor and launch-* always run on the host.
@@ -100,7 +101,7 @@ TRAIN_DEPS := $(if $(call on,DRY_RUN),,download data)
 EMBEDDED_MODELS := tiny tiny-moe
 
 .PHONY: help setup python-check download data train-hf train-native train-nki export verify-checkpoint \
-        verify-kernels report image push doctor launch-slurm launch-eks rehearse pipeline test test-fast \
+        verify-kernels report image push doctor launch-slurm launch-eks rehearse pipeline sft lora test test-fast \
         setup-titan-main test-titan-main bench clean distclean
 
 help: ## list the targets and variables
@@ -140,11 +141,11 @@ train-nki: setup $(TRAIN_DEPS) ## native Qwen3 with NKI kernels (RoPE, MoE) via 
 	$(PIPE) train --path nki $(TRAIN_FLAGS)
 
 export: setup ## HF safetensors of a run's last checkpoint: <run dir>/export
-	$(PIPE) export --model $(MODEL) --path $(TRAIN_PATH) --dtype $(DTYPE) $(if $(call on,FORCE),--force) \
+	$(PIPE) export --model $(MODEL) --path $(TRAIN_PATH) $(if $(RUN_NAME),--name $(RUN_NAME)) --dtype $(DTYPE) $(if $(call on,FORCE),--force) \
 	  $(if $(MAX_SHARD_SIZE),--max-shard-size $(MAX_SHARD_SIZE))
 
 verify-checkpoint: setup ## reload an export: zero missing keys, tensors, step-1 loss → verify.json
-	$(PIPE) verify $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT) --reference $(REFERENCE),--model $(MODEL) --path $(TRAIN_PATH))
+	$(PIPE) verify $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT) --reference $(REFERENCE),--model $(MODEL) --path $(TRAIN_PATH) $(if $(RUN_NAME),--name $(RUN_NAME)))
 
 verify-kernels: setup ## every NKI override vs its reference (fwd+bwd), table of errors
 	$(PIPE) verify-kernels $(if $(TARGET),--target $(TARGET))
@@ -177,6 +178,23 @@ push: setup ## push the built image to REGISTRY (docker credentials), record its
 
 rehearse: setup download data ## trn2.toml's parallel plan on CPU ranks (hf, native, nki), export + verify each, and the launch files on NODES "nodes" → checkpoints/<key>/rehearse
 	$(PIPE) rehearse --model $(MODEL) $(if $(STEPS),--steps $(STEPS)) --nodes $(or $(NODES),2)
+
+# Chat fine-tuning in one command: train the run, export it, verify the export.
+define FINETUNE
+$(PIPE) train --path $(TRAIN_PATH) $(TRAIN_FLAGS)
+$(if $(call on,DRY_RUN),,$(PIPE) export --model $(MODEL) --path $(TRAIN_PATH) --name $(RUN_NAME) --dtype float32 --force)
+$(if $(call on,DRY_RUN),,$(PIPE) verify --model $(MODEL) --path $(TRAIN_PATH) --name $(RUN_NAME))
+endef
+# A second `make sft` with the same settings finds the run finished (more STEPS continues it; FRESH=1 starts again).
+sft: CONFIG ?= configs/finetune/sft.toml
+sft: RUN_NAME ?= sft
+sft: setup $(TRAIN_DEPS) ## supervised fine-tuning on chat data (configs/finetune/sft.toml: DATASET=chat, loss on assistant turns, eval loss), then export + verify → runs/<RUN_NAME, default sft>
+	$(FINETUNE)
+
+lora: CONFIG ?= configs/finetune/lora.toml
+lora: RUN_NAME ?= lora
+lora: setup $(TRAIN_DEPS) ## LoRA fine-tuning on chat data (configs/finetune/lora.toml; native or nki), then export (merged weights) + verify → runs/<RUN_NAME, default lora>
+	$(FINETUNE)
 
 pipeline: setup ## the whole pipeline on the embedded defaults (tiny and tiny-moe)
 	set -e; for m in $(EMBEDDED_MODELS); do \

@@ -113,7 +113,15 @@ def fake_run(runs: Path, tmp_path: Path, model: str = "tiny", step: int = 0, sou
     shutil.copy(src / "checkpoint" / f"step-{step}" / WEIGHTS, weights_path(run, step))
     # DCP's marker of a finished save, which export requires beside the weights (its content is never read)
     shutil.copy(src / "checkpoint" / f"step-{step}" / DCP_METADATA, run / "checkpoint" / f"step-{step}" / DCP_METADATA)
+    plant_dcp_shards(src / "checkpoint" / f"step-{step}", run / "checkpoint" / f"step-{step}")
     return run
+
+
+def plant_dcp_shards(trained_step: Path, step: Path) -> None:
+    """Empty files named as a trained step's DCP shards: a step counts complete when every rank's
+    shard is there (their content is never read outside torchtitan's resume)."""
+    for shard in trained_step.glob("*.distcp"):
+        (step / shard.name).touch()
 
 
 def weights_path(run: Path, step: int = 0) -> Path:

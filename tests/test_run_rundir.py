@@ -28,6 +28,7 @@ def test_torchtitan_and_export_ignore_an_incomplete_step(tmp_path):
     complete = run_dir / "checkpoint" / "step-5"
     complete.mkdir(parents=True)
     (complete / ".metadata").write_bytes(b"x")
+    (complete / "__0_0.distcp").write_bytes(b"x")
     (complete / rundir.WEIGHTS).write_bytes(b"x")
     plant_incomplete_step(run_dir, 10)
     # torchtitan (0.3.0 and main) counts a step only when step-N/.metadata exists (DCP renames it in
@@ -53,6 +54,7 @@ def test_a_run_cut_short_before_any_weights_file_is_named_so(tmp_path):
     step = tmp_path / "run" / "checkpoint" / "step-5"
     step.mkdir(parents=True)
     (step / ".metadata").write_bytes(b"x")  # an intermediate checkpoint: DCP only
+    (step / "__0_0.distcp").write_bytes(b"x")
     with pytest.raises(PipelineError, match="none holds model_weights.safetensors.*cut short") as err:
         RunDir(tmp_path / "run").weights_file()
     assert "rerun the training command" in err.value.fix

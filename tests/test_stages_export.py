@@ -20,7 +20,7 @@ from pipeline.errors import PipelineError
 from pipeline.run import rundir
 from pipeline.run.rundir import RunDir
 from pipeline.stages import export as export_stage
-from conftest import (EXPORT_MODELS, TRAINED_STEPS, copy_model, fake_run, read_metrics, run_dir as runs_dir,
+from conftest import (EXPORT_MODELS, TRAINED_STEPS, copy_model, fake_run, plant_dcp_shards, read_metrics, run_dir as runs_dir,
                            run_pipeline, source_dir, tensors, tied_source_with_lm_head, weights_path)
 
 
@@ -204,6 +204,7 @@ def test_export_onto_a_full_disk_fails_cleanly(checkpoints, tmp_path):
         step.mkdir(parents=True)
         for name in (".metadata", rundir.WEIGHTS):
             shutil.copy(trained / "checkpoint" / "step-0" / name, step / name)
+        plant_dcp_shards(trained / "checkpoint" / "step-0", step)
         run_pipeline("export", "--model", "tiny", "--path", "native", root=root)
         before = {p: sha(p) for p in [*sorted((run / "export").iterdir()), step / rundir.WEIGHTS]}
         used = int(subprocess.run(["du", "-sk", str(run)], capture_output=True, text=True).stdout.split()[0])

@@ -85,12 +85,13 @@ class TrainingPath:
 
 
 def _native(spec: RunSpec):
-    from pipeline.models import native
+    from pipeline.models import lora, native
 
     # FSDP on one rank shards nothing; it still casts parameters when they train in a lower precision.
     shard = spec.world_size > 1 or spec.settings.dtype != "float32"
-    return native.model_spec(spec.arch, spec.model_key,
-                             attention_backends.titan_backend(spec.settings.attention_backend), shard=shard)
+    return lora.apply(native.model_spec(spec.arch, spec.model_key,
+                                        attention_backends.titan_backend(spec.settings.attention_backend), shard=shard),
+                      spec.settings)
 
 
 def _hf(spec: RunSpec):

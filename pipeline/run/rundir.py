@@ -2,7 +2,7 @@
 
   run.json               the resolved run (RunSpec)          metrics.jsonl   one JSON object per step
   first_batch/rank*.safetensors   each rank's step-1 batch    timings.json    start-up marks of rank 0
-  checkpoint/step-N/     torchtitan DCP (complete once its .metadata exists: what resume uses);
+  checkpoint/step-N/     torchtitan DCP (complete once its .metadata and every rank's shard exist: what resume uses);
                          a run's last step also holds model_weights.safetensors (what export reads)
   export/                the HF export                        verify.json     verify's result
   logs/, tb/             per-rank logs, TensorBoard events    .lock           held by a live launch
@@ -32,6 +32,7 @@ CHECKPOINT = "checkpoint"
 # checkpoint; export reads this file. It is renamed into place after DCP finished the step.
 WEIGHTS = "model_weights.safetensors"
 DCP_METADATA = ".metadata"
+DCP_SHARD = re.compile(r"__(\d+)_\d+\.distcp")  # torch.distributed.checkpoint.filesystem: <prefix __rank_><n>.distcp
 EXPORT = "export"
 VERIFY = "verify.json"
 LOGS = "logs"
@@ -161,12 +162,34 @@ class RunDir:
         return sorted(s for s, d in self.checkpoint_steps().items() if (d / DCP_METADATA).exists())
 
     def complete_steps(self) -> list[int]:
-        """Complete checkpoints, the ones a resume may start from: DCP finished."""
-        return self.dcp_steps()
+        """Complete checkpoints, the ones a resume may start from: DCP finished (.metadata) and every
+        rank's shard file is there. DCP's FileSystemWriter writes one `__<rank>_<n>.distcp` file per
+        rank at least (one per rank with torchtitan's single thread), so the run's world size says
+        which must be present without reading .metadata, a pickle this project never loads."""
+        ranks = self._world_size()
+        return [s for s in self.dcp_steps() if self._has_every_shard(self.step_dir(s), ranks)]
+
+    def incomplete_steps(self) -> list[int]:
+        """Step folders DCP began or that lost files: nothing a resume may load."""
+        complete = set(self.complete_steps())
+        return sorted(s for s in self.checkpoint_steps() if s not in complete)
+
+    def _world_size(self) -> int | None:
+        try:
+            settings = json.loads(self.run_json.read_text())["settings"]
+            return int(settings.get("nproc_per_node", 1)) * int(settings.get("nnodes", 1))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    @staticmethod
+    def _has_every_shard(step: Path, ranks: int | None) -> bool:
+        names = [p.name for p in step.iterdir()] if step.is_dir() else []
+        shards = {int(m.group(1)) for m in map(DCP_SHARD.fullmatch, names) if m}
+        return set(range(ranks)) <= shards if ranks else bool(shards)
 
     def exportable_steps(self) -> list[int]:
         """Complete checkpoints that also hold the weights file (a run's last step)."""
-        complete = set(self.dcp_steps())
+        complete = set(self.complete_steps())
         return sorted(s for s, d in self.checkpoint_steps().items() if s in complete and (d / WEIGHTS).exists())
 
     def latest_exportable_step(self) -> int | None:
@@ -192,7 +215,7 @@ class RunDir:
             raise PipelineError(f"{self.path} has no checkpoint of step {step} (it has {sorted(steps)}).",
                                 "pick one of those steps.")
         path = steps[step] / WEIGHTS
-        if not path.exists() or step not in self.dcp_steps():
+        if not path.exists() or step not in self.complete_steps():
             raise PipelineError(f"{steps[step]} has no {WEIGHTS}: only a run's last step holds the weights export "
                                 f"reads (exportable here: {self.exportable_steps() or 'none'}).",
                                 "export the last step, or resume or rerun training so its last step is saved completely.")

@@ -51,10 +51,24 @@ class TrainSettings:
     checkpoint_interval: int = 5
     keep_latest_k: int = 2
     dataset: str = "local"
+    # Held-out eval loss every `eval_every` steps (0: off) over `eval_steps` batches of `eval_dataset`
+    # ("": the dataset's own held-out split where it has one: DATASET=chat's data/chat_eval.jsonl).
+    eval_every: int = 0
+    eval_steps: int = 4
+    eval_dataset: str = ""
     tensorboard: bool = True
+    # Weights & Biases through torchtitan's WandBLogger: project `wandb_project`, run name
+    # <model key>/<run name>; WANDB_MODE=offline keeps it on disk (wandb sync uploads it later).
+    wandb: bool = False
+    wandb_project: str = "qwen3-pipeline"
     lnc: int = 1
     constraint_policy: str = "error"
     nki_overrides: list = field(default_factory=list)
+    # LoRA (native, nki: pipeline.models.lora): rank 0 trains every weight; > 0 trains adapters of
+    # that rank on `lora_targets` (default: attention and MLP projections), scaled alpha / rank.
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: list = field(default_factory=list)
 
     @property
     def world_size(self) -> int:

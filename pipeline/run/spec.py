@@ -32,6 +32,8 @@ class RunSpec:
     # (pipeline.training.dataset)
     data_kind: str = "file"
     data_file: str | None = None
+    data_format: str = "text"  # text | chat (conversations, loss on assistant tokens: pipeline.training.chat)
+    eval_file: str | None = None  # the held-out file eval loss is computed on (settings.eval_every > 0), or None
     peak_flops_per_rank: float | None = None
     overrides: list = field(default_factory=list)  # torchtitan override.imports entries
     titan_args: list = field(default_factory=list)  # torchtitan CLI flags applied over the built config

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,8 +106,9 @@ class ModelHome:
         """`make rehearse`: the trn2 plan's runs on CPU, the plain run they are compared with, two-node runs."""
         return self.dir / "rehearse"
 
-    def run(self, path: str) -> RunDir:
-        return RunDir(self.runs / path)
+    def run(self, name: str) -> RunDir:
+        """A run directory, runs/<name> (RUN_NAME; by default the training path's name)."""
+        return RunDir(self.runs / check_run_name(name))
 
     def record(self) -> dict | None:
         if not self.source_record.exists():
@@ -147,6 +149,17 @@ class ModelHome:
             raise PipelineError(f"{self.source.repo_id}@{record['commit']} is no longer in the Hugging Face cache "
                                 f"({constants.HF_HUB_CACHE}).",
                                 f"run `{hint}` again.") from err
+
+
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+
+
+def check_run_name(name: str) -> str:
+    """RUN_NAME names one folder under runs/: nothing that leaves it or hides in it."""
+    if not RUN_NAME.fullmatch(name or ""):
+        raise PipelineError(f"RUN_NAME={name!r} is not a run name (letters, digits, '.', '_' and '-', starting with a "
+                            "letter or digit, at most 100 characters).", "pick a name like sft-chat or lora-r8.")
+    return name
 
 
 def config_only(source: Source) -> PipelineError:

@@ -26,7 +26,7 @@ from pipeline.checkpoint.arch import Qwen3Arch, load_arch
 from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_directory
 from pipeline.models import registry
-from pipeline.run import store
+from pipeline.run import model_card, store
 from pipeline.run.rundir import RunDir
 from pipeline.run.settings import DTYPES
 from pipeline.run.spec import RunSpec
@@ -55,6 +55,7 @@ class ExportConfig:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--path", required=True, choices=registry.names(), help="training path of the run")
+    parser.add_argument("--name", help="the run's name (RUN_NAME; default: the path's name)")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="export dtype (float32 for exact checks)")
     parser.add_argument("--max-shard-size", default="5GB", help="largest shard, e.g. 5GB, 500MB")
     parser.add_argument("--step", type=int, help="checkpoint step to export (default: the last)")
@@ -69,7 +70,7 @@ def run(args: argparse.Namespace) -> Path:
     except ValueError as err:
         raise PipelineError(f"MAX_SHARD_SIZE={args.max_shard_size!r} is not a size ({err}).",
                             "give a number with a unit, e.g. 5GB or 500MB.") from err
-    config = ExportConfig(run=store.home(args.model).run(args.path), dtype=args.dtype,
+    config = ExportConfig(run=store.home(args.model).run(args.name or args.path), dtype=args.dtype,
                           max_shard_size=args.max_shard_size, step=args.step, force=args.force)
     return export(config)
 
@@ -218,6 +219,7 @@ def export(config: ExportConfig) -> Path:
             if (source / name).exists():
                 shutil.copy2(source / name, tmp / name)
         hf_dir.validate(tmp)
+        model_card.write(tmp, config.run, step, config.dtype)
         manifest.write(tmp, {"step": step, "dtype": config.dtype, "source": str(source),
                              "run_dir": str(config.run.path), "weights": str(weights)}, known=hashes)
     size = sum(p.stat().st_size for p in config.target.glob("*.safetensors"))

@@ -30,6 +30,7 @@ class Run:
     records: list[dict]
     planned_steps: int | None = None
     verify: dict | None = None
+    train_path: str | None = None  # run.json's path (a named run's folder is its RUN_NAME)
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
         points = [(r["step"], r[key]) for r in self.records if isinstance(r.get(key), (int, float))]
@@ -44,6 +45,7 @@ class RunSummary:
     planned_steps: int | None
     step1_loss: float | None
     final_loss: float
+    eval_losses: list[tuple[int, float]]  # (step, held-out eval loss), when the run computed it
     first_step_s: float | None
     median_step_s: float | None  # after the first (compile/warm-up) step
     median_tokens_per_s: float | None
@@ -92,7 +94,7 @@ def collect(home: store.ModelHome) -> Collection:
             collection.without_metrics.append(run_dir.name)
             continue
         collection.runs.append(Run(run_dir.name, run_dir.path, records, _planned_steps(run_dir),
-                                   _read_verify(run_dir.verify, collection)))
+                                   _read_verify(run_dir.verify, collection), _train_path(run_dir)))
     _add_notes(collection)
     if not collection.runs:
         empty = f" (without: {', '.join(collection.without_metrics)})" if collection.without_metrics else ""
@@ -115,6 +117,13 @@ def _planned_steps(run_dir: RunDir) -> int | None:
         return None
 
 
+def _train_path(run_dir: RunDir) -> str | None:
+    try:
+        return run_dir.spec().path
+    except (PipelineError, OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _read_verify(path: Path, collection: Collection) -> dict | None:
     if not path.is_file():
         return None
@@ -130,7 +139,7 @@ def _read_verify(path: Path, collection: Collection) -> dict | None:
 
 
 def _add_notes(collection: Collection) -> None:
-    present = {r.path for r in collection.runs}
+    present = {r.path for r in collection.runs} | {r.train_path for r in collection.runs}
     for path in registry.names():
         if path not in present and path not in collection.without_metrics:
             collection.notes.append(f"no {path} run ({collection.directory / path} holds none).")
@@ -150,7 +159,7 @@ def summarize(r: Run) -> RunSummary:
     memory = [rec["memory_gib"] for rec in r.records if isinstance(rec.get("memory_gib"), (int, float))]
     return RunSummary(
         path=r.path, steps_logged=len(r.records), last_step=r.records[-1]["step"], planned_steps=r.planned_steps,
-        step1_loss=step1, final_loss=r.records[-1]["loss"],
+        step1_loss=step1, final_loss=r.records[-1]["loss"], eval_losses=list(zip(*r.series("eval_loss"))),
         first_step_s=first.get("step_time_s") if first["step"] == 1 else None,
         median_step_s=_median(rest, "step_time_s"), median_tokens_per_s=_median(rest, "tokens_per_s"),
         median_mfu=_median(rest, "mfu"), peak_memory_gib=max(memory) if memory else None,
@@ -179,6 +188,7 @@ def render_summary(collection: Collection, summaries: list[RunSummary]) -> str:
             ("steps", steps),
             ("step-1 loss", _fmt(s.step1_loss, ".6f") if s.step1_loss is not None else "— (step 1 not logged)"),
             ("final loss", f"{s.final_loss:.6f} (step {s.last_step})"),
+            ("eval loss (held out)", _eval_cell(s.eval_losses)),
             ("first step", _fmt(s.first_step_s, ".2f", " s") + " (includes compile/warm-up)"),
             ("median step after step 1", _fmt(s.median_step_s, ".3f", " s")),
             ("median tokens/s after step 1", _fmt(s.median_tokens_per_s, ",.1f", " (all ranks)")),
@@ -192,6 +202,13 @@ def render_summary(collection: Collection, summaries: list[RunSummary]) -> str:
         lines += [f"| {name} | {value} |" for name, value in rows]
         lines.append("")
     return "\n".join(lines)
+
+
+def _eval_cell(points: list[tuple[int, float]]) -> str:
+    if not points:
+        return "— (no eval: eval_every = 0 or no held-out split)"
+    (first_step, first), (last_step, last) = points[0], points[-1]
+    return f"{first:.6f} (step {first_step}) → {last:.6f} (step {last_step}), {len(points)} evals"
 
 
 def _verify_cell(verify: dict | None) -> str:
@@ -245,6 +262,9 @@ def draw_curves(collection: Collection, output: Path) -> None:
                 linestyle, marker = _look(r.path).line
                 ax.plot(steps, values, linestyle=linestyle, marker=marker, markersize=4, linewidth=1.8,
                         color=_look(r.path).colour, label=r.path)
+            if key == "loss" and r.series("eval_loss")[0]:  # held-out eval loss beside the training loss
+                ax.plot(*r.series("eval_loss"), linestyle=":", marker="s", markersize=5, linewidth=1.5,
+                        color=_look(r.path).colour, label=f"{r.path} eval (held out)")
         ax.set_title(title, fontsize=12)
         ax.set_ylabel(ylabel, fontsize=10)
         ax.grid(True, alpha=0.3)

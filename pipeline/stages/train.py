@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import fcntl
 import json
 import os
 import re
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -25,11 +25,11 @@ from pathlib import Path
 
 from pipeline.errors import PipelineError
 from pipeline.models import registry
-from pipeline.run import targets
+from pipeline.run import continuation, targets
 from pipeline.run.rundir import RunDir
 from pipeline.titan import compat
 from pipeline.run.spec import RunSpec
-from pipeline.training import memory, torchrun
+from pipeline.training import dataset, memory, torchrun
 from pipeline.training.resolve import RunRequest, resolve
 
 # When the launcher started torchrun (time.time()), for the ranks' start-up timings (timings.json).
@@ -50,14 +50,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--titan-args", default="", help="torchtitan flags applied over the built config, e.g. "
                         "--titan-args='--training.steps 5 --lr-scheduler.warmup-steps 1' ('--help' lists them)")
     parser.add_argument("--dry-run", action="store_true")
-    parser.add_argument("--fresh", action="store_true", help="discard this run's checkpoints instead of resuming")
+    parser.add_argument("--fresh", action="store_true",
+                        help="discard this run (checkpoints, metrics, export, verify.json) and start it again")
+    parser.add_argument("--name", help="the run's name, its folder runs/<name> (default: the path's name); a re-run "
+                        "continues it only with the same settings")
 
 
 def request(args: argparse.Namespace) -> RunRequest:
     return RunRequest(model=args.model, path=args.path, target=args.target, config=args.config, steps=args.steps,
                       seq_len=args.seq_len, nproc_per_node=args.nproc_per_node, dataset=args.dataset,
                       revision=args.revision,
-                      titan_args=tuple(shlex.split(args.titan_args)), dry_run=args.dry_run)
+                      titan_args=tuple(shlex.split(args.titan_args)), dry_run=args.dry_run,
+                      name=getattr(args, "name", None))
 
 
 class RunLock:
@@ -99,6 +103,8 @@ def run(args: argparse.Namespace):
     target = targets.TARGETS[spec.target]
     command = torchrun.command(spec)
     env_prefix = " ".join(f"{k}={v}" for k, v in target.launch_vars(dict(os.environ), memory.host_need(spec)).items())
+    if not args.fresh:  # the launch checks again under the run's lock
+        continuation.check_continues(RunDir(Path(spec.run_dir)), spec)
     if args.dry_run:
         print(memory_line(spec))
         print(json.dumps(spec.to_dict(), indent=2))
@@ -113,11 +119,20 @@ def launch(spec: RunSpec, fresh: bool = False) -> RunSpec:
     target = targets.TARGETS[spec.target]
     command = torchrun.command(spec)
     run_dir = RunDir(Path(spec.run_dir))
-    with RunLock(run_dir):
+    with contextlib.ExitStack() as held:
+        held.enter_context(RunLock(run_dir))
         if fresh:
-            for item in run_dir.path.iterdir():
-                if item != run_dir.lock:
-                    shutil.rmtree(item) if item.is_dir() and not item.is_symlink() else item.unlink()
+            # Everything the new run needs is checked before the old one goes (resolve checked the
+            # config, checkpoint and memory; the data is read through here), then the old run is
+            # moved aside in one rename and deleted once the new directory holds its own lock.
+            dataset.check_readable(dataset.DataSource(spec.data_kind, spec.settings.dataset, spec.data_file,
+                                                      spec.data_format))
+            if continuation.discard(run_dir) is not None:
+                held.enter_context(RunLock(run_dir))
+                continuation.delete_discarded(run_dir)
+        else:
+            continuation.check_continues(run_dir, spec)
+            continuation.remove_incomplete_steps(run_dir)
         spec.save()
         print(memory_line(spec), flush=True)
         _warn_if_short_of_memory(spec)

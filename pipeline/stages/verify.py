@@ -100,19 +100,21 @@ class Verification:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="MODEL (with --path): verify that run's export")
     parser.add_argument("--path", choices=registry.names(), help="training path of the run")
+    parser.add_argument("--name", help="the run's name (RUN_NAME; default: the path's name)")
     parser.add_argument("--checkpoint", type=Path, help="an HF checkpoint directory to verify (with --reference)")
     parser.add_argument("--reference", type=Path, help="the checkpoint it must match (the downloaded source)")
     parser.add_argument("--output", type=Path, help="where verify.json goes (default: the run dir / beside the checkpoint)")
 
 
 def run(args: argparse.Namespace) -> Verification:
-    if args.model and args.path:
-        run_dir = store.home(args.model).run(args.path)
+    if args.model and (args.path or args.name):
+        run_dir = store.home(args.model).run(args.name or args.path)
         reference = Path(run_dir.spec().source_dir)
         checkpoint = run_dir.export
         if not checkpoint.is_dir():
             raise PipelineError(f"{checkpoint} does not exist.",
-                                f"run `make export MODEL={args.model} TRAIN_PATH={args.path}` first.")
+                                f"run `make export MODEL={args.model} "
+                                f"{f'RUN_NAME={args.name}' if args.name else f'TRAIN_PATH={args.path}'}` first.")
     elif args.checkpoint and args.reference:
         checkpoint, reference = args.checkpoint, args.reference
         parent = RunDir(Path(checkpoint).parent)

@@ -126,9 +126,11 @@ def text_dataloader(source, registered_name: str):
                                   shuffle=False, repeat=True)
 
 
-def register_text_dataset(name: str, kind: str, location: str, file_format: str | None) -> None:
+def register_text_dataset(name: str, kind: str, location: str, file_format: str | None,
+                          wrap_loader=lambda loader: loader) -> None:
     """Add a file (`json`/`text`) or a Hub dataset (`kind == "hub"`) to torchtitan's DATASETS under
-    `name`, each row's "text" being one document."""
+    `name`, each row's "text" being one document. 0.3.0 loads through a function of ours, which
+    `wrap_loader` may wrap; main's sources load themselves."""
     from torchtitan.hf_datasets.text_datasets import DATASETS
 
     if not folded_batch():
@@ -144,7 +146,7 @@ def register_text_dataset(name: str, kind: str, location: str, file_format: str 
         else:
             def loader(path):
                 return load_dataset("text", data_files=path, split="train", sample_by="paragraph")
-        DATASETS[name] = DatasetConfig(path=location, loader=loader, sample_processor=lambda s: s["text"])
+        DATASETS[name] = DatasetConfig(path=location, loader=wrap_loader(loader), sample_processor=lambda s: s["text"])
         return
     from torchtitan.components.data import (HuggingFaceRandomAccessSource, HuggingFaceStreamingSource,
                                             SingleDatasetConfig)

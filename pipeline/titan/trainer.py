@@ -49,6 +49,9 @@ class JsonlMetricsProcessor(MetricsProcessor):
         jsonl_path: str = ""
         peak_flops_per_rank: float = 0.0
         memory_kind: str = "device"
+        eval_freq: int = 0
+        """The validator's freq when it runs (0: off): a step it validates writes its metrics.jsonl
+        line once the eval loss is known, with that loss in it (eval_loss)."""
         flops_per_token: int = 0
         """Qwen3Arch.flops_per_token(seq_len): the same count whatever path implements the model
         (0: the model config's own get_nparams_and_flops)."""
@@ -101,15 +104,35 @@ class JsonlMetricsProcessor(MetricsProcessor):
         }
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
         if self.is_writer and self.config.jsonl_path:
-            # Written through to the page cache, not fsynced: a killed run keeps every line (the
-            # kernel has them), and a line torn by a machine crash is skipped when read back.
-            with open(self.config.jsonl_path, "a") as handle:
-                handle.write(json.dumps(record) + "\n")
+            if getattr(self, "held_record", None):  # no validation came for it (TITAN_ARGS changed the validator)
+                self._write(self.held_record)
+                self.held_record = None
+            if self.config.eval_freq and (step == 1 or step % self.config.eval_freq == 0):
+                self.held_record = record  # torchtitan's validator runs right after this step's log
+            else:
+                self._write(record)
             if step == 1:
                 print(f"step-1 loss: {global_avg_loss:.6f}", flush=True)
                 if TIMINGS:
                     Path(self.config.jsonl_path).with_name(rundir.TIMINGS).write_text(
                         json.dumps({**TIMINGS, "step1": record["time"]}) + "\n")
+
+
+    def _write(self, record: dict) -> None:
+        # Written through to the page cache, not fsynced: a killed run keeps every line (the
+        # kernel has them), and a line torn by a machine crash is skipped when read back.
+        with open(self.config.jsonl_path, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+    def log_validation(self, loss: float, step: int, extra_metrics=None):
+        super().log_validation(loss, step, extra_metrics)  # console and TensorBoard (validation_metrics/loss)
+        if self.is_writer and self.config.jsonl_path:
+            record = getattr(self, "held_record", None) or {"step": step}
+            self.held_record = None
+            if record["step"] != step:
+                self._write(record)
+                record = {"step": step}
+            self._write({**record, "eval_loss": float(loss)})
 
 
 def release_free_memory() -> None:
@@ -136,7 +159,16 @@ class WeightsCheckpointManager(compat.checkpoint_manager_base()):
 
     @dataclass(kw_only=True, slots=True)
     class Config(compat.checkpoint_manager_base().Config):
-        pass
+        lora_rank: int = 0
+        lora_alpha: float = 16.0
+        kv_heads: int = 0  # the model's, for LoRA's merge into the fused wqkv's wq/wk/wv
+
+    lora: tuple[int, float, int] | None = None  # (rank, alpha, kv heads) of a LoRA run, from the config
+
+    def __init__(self, config: Config, **kwargs):
+        super().__init__(config, **kwargs)
+        if config.lora_rank > 0:
+            self.lora = (config.lora_rank, config.lora_alpha, config.kv_heads)
 
     def before_save(self, step: int, last_step: bool) -> None:
         release_free_memory()  # what the steps keep for themselves is not needed while saving
@@ -188,6 +220,10 @@ class WeightsCheckpointManager(compat.checkpoint_manager_base()):
         # keys torchtitan's state-dict hooks make (fused wqkv split into wq/wk/wv). torchtitan's own
         # ModelWrapper gives the canonical keys, in the model's order, the same on every rank.
         state = list(self.states[MODEL].state_dict().items())
+        if self.lora is not None:  # LoRA: the merged weights, a plain model for export and verify
+            from pipeline.titan import lora
+
+            state = lora.merged(state, *self.lora)
         aliases = [_aliases(state) if rank == 0 else None]
         if distributed:
             torch.distributed.broadcast_object_list(aliases, src=0)
@@ -275,6 +311,14 @@ class PipelineTrainer(Trainer):
         run_dir: str = ""
         record_plan: bool = False
         """Write <run dir>/plan/rank<N>.json: layout after parallelisation, module I/O and collectives of step 1."""
+
+    def __init__(self, config, **kwargs):
+        super().__init__(config, **kwargs)
+        if getattr(self.checkpointer, "lora", None):
+            from pipeline.titan import lora
+
+            trainable = lora.freeze_base(self.model_parts)
+            logger.info(f"LoRA: {trainable:,} adapter parameters train, the rest is frozen")
 
     def forward_backward_step(self, **kwargs):
         if not self.config.record_plan or self.step != 1 or getattr(self, "_plan_recorded", False):

@@ -21,7 +21,7 @@ from pipeline.errors import PipelineError
 from pipeline.run import rundir
 from pipeline.run.spec import RunSpec
 from pipeline.titan import api, compat
-from pipeline.training import dataset
+from pipeline.training import chat, dataset
 
 MEMORY_KIND = {"cpu": "peak RSS (CPU)", "cuda": "CUDA reserved", "trn2": "HBM reserved"}
 
@@ -44,7 +44,7 @@ def build_config(spec: RunSpec):
 
     s = spec.settings
     run_dir = Path(spec.run_dir)
-    source = dataset.DataSource(spec.data_kind, s.dataset, spec.data_file)
+    source = dataset.DataSource(spec.data_kind, s.dataset, spec.data_file, spec.data_format)
     model_spec = registry.get(spec.path).build(spec)
     config = PipelineTrainer.Config(
         run_dir=str(run_dir),
@@ -56,13 +56,16 @@ def build_config(spec: RunSpec):
         metrics=JsonlMetricsProcessor.Config(
             log_freq=1,
             enable_tensorboard=s.tensorboard,
+            enable_wandb=s.wandb,
             jsonl_path=str(run_dir / rundir.METRICS),
             peak_flops_per_rank=spec.peak_flops_per_rank or 0.0,
             flops_per_token=spec.arch.flops_per_token(s.seq_len),
             memory_kind=MEMORY_KIND[spec.target],
+            eval_freq=s.eval_every if spec.eval_file else 0,
             disable_color_printing=True,
         ),
-        dataloader=api.text_dataloader(source, dataset.register(source)),
+        dataloader=_dataloader(source),
+        validator=_validator(spec),
         optimizer=default_adamw(lr=s.lr, weight_decay=0.0),
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=s.warmup_steps, decay_type="linear"),
         training=api.training_config(
@@ -88,6 +91,9 @@ def build_config(spec: RunSpec):
             initial_load_model_only=True,
             last_save_model_only=False,
             keep_latest_k=s.keep_latest_k,
+            lora_rank=s.lora_rank,
+            lora_alpha=s.lora_alpha,
+            kv_heads=spec.arch.num_key_value_heads,
         ),
         activation_checkpoint=_activation_checkpoint(s.activation_checkpoint),
         compile=CompileConfig(enable=s.compile, backend=s.compile_backend),
@@ -96,6 +102,24 @@ def build_config(spec: RunSpec):
         override=OverrideConfig(imports=list(spec.overrides)),
     )
     return compat.apply_titan_args(config, spec.titan_args)
+
+
+def _dataloader(source: dataset.DataSource, name: str | None = None):
+    if source.format == "chat":
+        return chat.dataloader_config(source.file)
+    return api.text_dataloader(source, dataset.register(source, name))
+
+
+def _validator(spec: RunSpec):
+    """torchtitan's Validator on the held-out file (spec.eval_file): the same loader as training,
+    the first eval_steps batches each time, so successive eval losses compare."""
+    from torchtitan.components.validate import Validator
+
+    if not spec.eval_file:
+        return Validator.Config()
+    held = dataset.DataSource("file", spec.eval_file, spec.eval_file, spec.data_format)
+    return Validator.Config(enable=True, freq=spec.settings.eval_every, steps=spec.settings.eval_steps,
+                            dataloader=_dataloader(held, name=dataset.EVAL_NAME))
 
 
 def _die_with_torchrun() -> None:
@@ -200,6 +224,12 @@ def run(spec: RunSpec, rank: int) -> None:
     if os.environ.get("PIPELINE_LAUNCHED_AT"):  # set by the train stage as it starts torchrun
         TIMINGS["launched"] = float(os.environ["PIPELINE_LAUNCHED_AT"])
     check_overrides(spec, rank)
+    dataset.open_in_rank(dataset.DataSource(spec.data_kind, spec.settings.dataset, spec.data_file, spec.data_format))
+    if spec.eval_file:
+        dataset.open_in_rank(dataset.DataSource("file", spec.eval_file, spec.eval_file, spec.data_format))
+    if spec.settings.wandb:  # torchtitan's WandBLogger reads these; a user's own values win
+        os.environ.setdefault("WANDB_PROJECT", spec.settings.wandb_project)
+        os.environ.setdefault("WANDB_RUN_NAME", f"{spec.model_key}/{Path(spec.run_dir).name}")
     trainer = build_config(spec).build()
     TIMINGS["built"] = time.time()
     try:

@@ -117,10 +117,12 @@ def estimate(arch: Qwen3Arch, settings: TrainSettings, path: str, target: str) -
     per_tp_rank = sum(v / tp if k in plan.tp_sharded else v for k, v in counts.items())
     params_rank = per_tp_rank / dp
     compute = BYTES[settings.dtype]
+    adapters = lora_params(arch, settings) / dp if settings.lora_rank else 0.0
+    trained = adapters if settings.lora_rank else params_rank  # LoRA: gradients and AdamW state for adapters only
     parts = {
-        "parameters": 4 * params_rank,
-        "gradients": 4 * params_rank,
-        "optimizer": 8 * params_rank,
+        "parameters": 4 * (params_rank + adapters),
+        "gradients": 4 * trained,
+        "optimizer": 8 * trained,
     }
     # FSDP units: each layer, the embedding, the lm_head (tied: one). Gathered in the compute dtype,
     # the next one prefetched; one unit's float32 gradients before the reduce-scatter.
@@ -147,7 +149,9 @@ def estimate(arch: Qwen3Arch, settings: TrainSettings, path: str, target: str) -
             arch.layer_params()["experts"] / tp_e, tokens * arch.num_experts_per_tok, arch.hidden_size,
             arch.moe_intermediate_size / tp_e, compute)
     notes = [f"TP {tp} × FSDP {dp}; {'SP; ' if plan.sequence_parallel else ''}activation checkpointing "
-             f"{settings.activation_checkpoint}; seq_len {settings.seq_len} × local batch {settings.local_batch_size}"]
+             f"{settings.activation_checkpoint}; seq_len {settings.seq_len} × local batch {settings.local_batch_size}"
+             + (f"; LoRA rank {settings.lora_rank}: gradients and optimizer state for "
+                f"{lora_params(arch, settings):,} adapter parameters" if settings.lora_rank else "")]
     return MemoryEstimate(parts, capacity_per_rank(target, settings.lnc), notes)
 
 
@@ -207,6 +211,19 @@ def _smaller_plan(arch: Qwen3Arch, settings: TrainSettings, path: str, target: s
     if chosen is settings:
         return f", and no smaller TP degree or activation checkpointing mode fits on {settings.nnodes} node(s)"
     return f"; {estimate(arch, chosen, path, target).notes[0]} would fit"
+
+
+def lora_params(arch: Qwen3Arch, settings: TrainSettings) -> int:
+    """Adapter parameters of a LoRA run: rank × (in + out) per adapted projection (pipeline.models.lora;
+    wqkv is one fused projection; MoE experts are no Linear and get none)."""
+    from pipeline.models import lora
+
+    h, hd, inter = arch.hidden_size, arch.head_dim, arch.intermediate_size
+    qkv = (arch.num_attention_heads + 2 * arch.num_key_value_heads) * hd
+    sizes = {"wqkv": h + qkv, "wo": arch.num_attention_heads * hd + h}
+    if not arch.is_moe:
+        sizes |= {"w1": h + inter, "w2": inter + h, "w3": h + inter}
+    return settings.lora_rank * arch.num_hidden_layers * sum(sizes.get(t, 0) for t in lora.targets(settings))
 
 
 def check(arch: Qwen3Arch, settings: TrainSettings, path: str, target: str) -> MemoryEstimate:

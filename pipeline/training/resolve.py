@@ -43,7 +43,8 @@ class RunRequest:
     dry_run: bool = False
     checkpoints_root: Path | None = None  # where the nodes see checkpoints/ (launch); default this host's
     settings: TrainSettings | None = None  # given whole (rehearse): no config file is read, flags still apply
-    run_dir: Path | None = None  # default: the model's runs/<path>
+    run_dir: Path | None = None  # default: the model's runs/<name>
+    name: str | None = None  # RUN_NAME: the run's folder under runs/ (default: the path's name)
 
 
 def resolve(request: RunRequest) -> RunSpec:
@@ -61,10 +62,11 @@ def resolve(request: RunRequest) -> RunSpec:
         source_dir = home.source_dir(request.revision)
         arch = hf_dir.validate(source_dir).arch
     data = dataset.resolve(cfg.dataset, home.data_file, check_local=not request.dry_run, model=request.model)
+    eval_file = dataset.eval_file(cfg, data, home.data_file, check_local=not request.dry_run)
     spec = RunSpec(
         model=request.model, model_key=home.source.key, path=path.name, target=target.name,
-        source_dir=str(source_dir), run_dir=str(request.run_dir or home.run(path.name).path), arch=arch, settings=cfg,
-        data_kind=data.kind, data_file=data.file,
+        source_dir=str(source_dir), run_dir=str(request.run_dir or home.run(request.name or path.name).path), arch=arch, settings=cfg,
+        data_kind=data.kind, data_file=data.file, data_format=data.format, eval_file=eval_file,
         peak_flops_per_rank=target.peak_flops_per_rank(cfg.lnc),
         overrides=list(path.overrides(target.name, cfg)), titan_args=list(request.titan_args),
     )
@@ -72,6 +74,8 @@ def resolve(request: RunRequest) -> RunSpec:
         check_titan_args(spec)
     check_parallelism(spec)
     check_device_choices(spec)
+    check_wandb(spec)
+    check_lora(spec)
     spec.settings, chosen = memory.fit(spec.arch, spec.settings, spec.path, spec.target)
     if chosen:  # a plan that fits instead of the configured one, said where the dry run shows it
         print(f"note: {chosen}", file=sys.stderr, flush=True)
@@ -125,6 +129,28 @@ def check_parallelism(spec: RunSpec) -> None:
         raise PipelineError(f"data_parallel_shard={s.data_parallel_shard} × tensor_parallel={tp} ≠ {world} ranks.",
                             "set data_parallel_shard = -1 to use every remaining rank.")
 
+
+
+def check_lora(spec: RunSpec) -> None:
+    """LoRA goes through torchtitan's model-config converter, which the native model config has;
+    the hf path's model is transformers' own module tree."""
+    s = spec.settings
+    if s.lora_rank < 0 or (s.lora_rank and s.lora_alpha <= 0):
+        raise PipelineError(f"lora_rank = {s.lora_rank}, lora_alpha = {s.lora_alpha}: rank must be ≥ 0 (0: off) "
+                            "and alpha > 0.", "fix them in your config.")
+    if s.lora_rank and spec.path == "hf":
+        raise PipelineError("LoRA (lora_rank > 0) runs on the native and nki paths (torchtitan's LoRA converter "
+                            "works on torchtitan's model configs); the hf path trains transformers' own modules.",
+                            "use `make train-native` (or train-nki), or lora_rank = 0.")
+
+
+def check_wandb(spec: RunSpec) -> None:
+    """wandb = true needs the wandb package where the ranks run (torchtitan would only log an error)."""
+    import importlib.util
+
+    if spec.settings.wandb and importlib.util.find_spec("wandb") is None:
+        raise PipelineError("wandb = true but the wandb package is not installed.",
+                            "pip install wandb (or set wandb = false).")
 
 
 def check_device_choices(spec: RunSpec) -> None:

@@ -1,0 +1,129 @@
+"""Whether a launch may continue the run already in its directory, and how FRESH=1 discards one.
+
+A run directory holds one experiment. A re-run continues it only when its resolved settings equal
+the ones run.json recorded; more STEPS is "continue training". Anything else would train (or
+not train) under a run.json that describes a run it is not, so it is refused in one line naming
+the keys that differ and the two ways on: a new RUN_NAME, or FRESH=1.
+
+FRESH=1 moves the old run aside with one rename (a killed discard leaves either the whole old run
+or none of it, never a step's .metadata without its shards) and only then deletes it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+
+from pipeline.errors import PipelineError
+from pipeline.run.rundir import DCP_METADATA, RunDir
+
+# Recorded fields that do not make a different experiment: the step count (more STEPS continues
+# the run), where the run lives, and what the pipeline derives (memory estimate, the nki plan and
+# override imports follow from the settings and may change with the pipeline's version).
+NOT_COMPARED = {"settings.steps", "run_dir", "memory", "nki", "overrides", "record_plan", "peak_flops_per_rank"}
+DISCARDED_PREFIX = ".discarded-"
+
+
+def flatten(record: dict) -> dict:
+    """run.json's nested dict as dotted keys (settings.seq_len, arch.hidden_size)."""
+    flat = {}
+    for key, value in record.items():
+        if isinstance(value, dict) and key in ("settings", "arch"):
+            flat |= {f"{key}.{k}": v for k, v in value.items()}
+        else:
+            flat[key] = value
+    return flat
+
+
+def differences(recorded: dict, resolved: dict) -> list[str]:
+    """The compared keys whose values differ (settings.* named by the setting alone)."""
+    old, new = flatten(_with_defaults(recorded)), flatten(resolved)
+    keys = sorted((set(old) | set(new)) - NOT_COMPARED)
+    return [k.removeprefix("settings.") for k in keys if old.get(k) != new.get(k)]
+
+
+def _with_defaults(recorded: dict) -> dict:
+    """A run.json written before a setting or field existed, read with that field's default (what
+    the run did), so adding a setting to the pipeline does not turn every old run into another."""
+    from pipeline.run.spec import RunSpec
+
+    try:
+        return {**recorded, **RunSpec.from_dict(recorded).to_dict()}
+    except (TypeError, KeyError, ValueError):
+        return recorded
+
+
+def has_progress(run: RunDir) -> bool:
+    """Something of a run is there to mix with: a checkpoint step or logged metrics."""
+    return bool(run.checkpoint_steps()) or bool(run.metric_records())
+
+
+def check_continues(run: RunDir, spec) -> None:
+    """Refuse, in one line, a launch that would continue `run` with other settings or fewer steps."""
+    run_name = run.name
+
+    if not run.run_json.is_file() or not has_progress(run):
+        return
+    try:
+        recorded = json.loads(run.run_json.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise PipelineError(f"{run.run_json} is unreadable ({err}); the run there cannot be continued.",
+                            f"start it again with FRESH=1, or give the new run another RUN_NAME.") from err
+    ways_on = (f"give the new experiment its own name (RUN_NAME=<name>), or discard run {run_name!r} with FRESH=1")
+    recorded = _with_defaults(recorded)
+    changed = differences(recorded, spec.to_dict())
+    if changed:
+        shown = ", ".join(f"{k} ({_value(recorded, k)} → {_value(spec.to_dict(), k)})" for k in changed[:6])
+        more = f" and {len(changed) - 6} more" if len(changed) > 6 else ""
+        raise PipelineError(f"run {run_name!r} ({run.path}) was trained with other settings: {shown}{more}; "
+                            "continuing it would mix two experiments.", ways_on + ".")
+    done = max(run.complete_steps(), default=0)
+    if spec.settings.steps < done:
+        raise PipelineError(f"run {run_name!r} is already at step {done}; STEPS={spec.settings.steps} would train "
+                            "nothing and record fewer steps than the checkpoints hold.",
+                            f"give STEPS ≥ {done} to continue it, or {ways_on}.")
+
+
+def _value(record: dict, key: str) -> str:
+    flat = flatten(record)
+    value = flat.get(key, flat.get(f"settings.{key}"))
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "…"
+
+
+def remove_incomplete_steps(run: RunDir) -> list[int]:
+    """Step folders with DCP's .metadata but without every rank's shard (a copy or deletion cut
+    short) would be loaded by torchtitan's resume and crash it: each is renamed aside, then deleted."""
+    removed = [s for s in run.incomplete_steps() if (run.step_dir(s) / DCP_METADATA).exists()]
+    for step in removed:
+        aside = run.checkpoint / f"{DISCARDED_PREFIX}step-{step}-{uuid.uuid4().hex[:8]}"
+        os.rename(run.step_dir(step), aside)
+        shutil.rmtree(aside, ignore_errors=True)
+        print(f"warning: {run.step_dir(step)} lacked DCP shard files (an interrupted copy or deletion); removed it, "
+              "the run resumes from its last complete step.", flush=True)
+    return removed
+
+
+def discard(run: RunDir) -> Path | None:
+    """Move the run directory aside with one rename (an atomic step) and return where it went;
+    the caller deletes it (delete_discarded) once the new run holds its own lock. Earlier
+    discards of the same run cut short by a kill are deleted first."""
+    delete_discarded(run)
+    if not run.path.exists():
+        return None
+    aside = run.path.parent / f"{DISCARDED_PREFIX}{run.path.name}-{uuid.uuid4().hex[:8]}"
+    os.rename(run.path, aside)
+    run.path.mkdir()
+    return aside
+
+
+def delete_discarded(run: RunDir) -> None:
+    pattern = re.compile(rf"{re.escape(DISCARDED_PREFIX + run.path.name)}-[0-9a-f]{{8}}")
+    if run.path.parent.is_dir():
+        for item in run.path.parent.iterdir():
+            if pattern.fullmatch(item.name) and item.is_dir() and not item.is_symlink():
+                shutil.rmtree(item, ignore_errors=True)

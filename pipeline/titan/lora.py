@@ -1,0 +1,76 @@
+"""LoRA inside torchtitan's trainer (pipeline.models.lora makes the adapters): only the adapters
+train, and a run's last step saves the weights merged, W + alpha/rank · B·A, in the plain model's
+state-dict layout, so export and verify see an ordinary checkpoint.
+"""
+
+from __future__ import annotations
+
+ADAPTER_A, ADAPTER_B = ".lora_a.weight", ".lora_b.weight"
+FUSED_PARTS = ("wq", "wk", "wv")
+
+
+def freeze_base(model_parts) -> int:
+    """Only the adapters train: every other parameter stops asking for gradients. Returns the count
+    of trainable parameters."""
+    trainable = 0
+    for part in model_parts:
+        for name, param in part.named_parameters():
+            adapter = ".lora_a." in name or ".lora_b." in name
+            param.requires_grad_(adapter)
+            trainable += param.numel() if adapter else 0
+    return trainable
+
+
+def merged(state: list[tuple[str, object]], rank: int, alpha: float, kv_heads: int) -> list[tuple[str, object]]:
+    """(key, full tensor) with each adapted weight merged and the adapter keys dropped. Gathers one
+    weight and its adapters at a time (DTensors are materialised with full_tensor on every rank)."""
+    from torch.distributed.tensor import DTensor
+
+    def full(value):
+        return value.full_tensor() if isinstance(value, DTensor) else value
+
+    values = dict(state)
+    used, out = set(), []
+    for key, value in state:
+        if key.endswith((ADAPTER_A, ADAPTER_B)):
+            continue
+        adapted, part = _adapter_of(key, values)
+        if adapted is None:
+            out.append((key, value))
+            continue
+        a, b = values[adapted + ADAPTER_A], values[adapted + ADAPTER_B]
+        used.add(adapted)
+        weight = full(value)
+        delta = (alpha / rank) * (full(b).float() @ full(a).float())
+        if part is not None:
+            delta = _fused_part(delta, part, kv_heads, values, key.rsplit(".", 2)[0])
+        out.append((key, (weight.float() + delta).to(weight.dtype)))
+    left = {k.removesuffix(ADAPTER_A) for k in values if k.endswith(ADAPTER_A)} - used
+    if left:
+        raise RuntimeError(f"LoRA adapters with no weight to merge into: {sorted(left)[:3]}")
+    return out
+
+
+def _adapter_of(key: str, values: dict) -> tuple[str | None, str | None]:
+    """(the adapted module whose delta this weight takes, which part of a fused wqkv it is or None).
+    torchtitan's Qwen3 fuses wq, wk, wv into one wqkv Linear (which the adapters wrap) and splits
+    it back into wq, wk, wv in the state dict."""
+    base = key.removesuffix(".weight")
+    if base + ADAPTER_A in values:
+        return base, None
+    prefix, _, name = base.rpartition(".")
+    fused = f"{prefix}.wqkv"
+    if name in FUSED_PARTS and fused + ADAPTER_A in values:
+        return fused, name
+    return None, None
+
+
+def _fused_part(delta, part: str, kv_heads: int, values: dict, prefix: str):
+    """wq's, wk's or wv's rows of a wqkv-shaped delta. torchtitan's fused layout groups rows per kv
+    head: [kv_heads, heads_per_kv + 2, head_dim] (the query heads of the group, then its k, then its
+    v; FusedQKVLinear's split on save in torchtitan/models/common/attention.py)."""
+    head_dim = values[f"{prefix}.wk.weight"].shape[0] // kv_heads
+    per_kv = values[f"{prefix}.wq.weight"].shape[0] // (kv_heads * head_dim)
+    grouped = delta.reshape(kv_heads, per_kv + 2, head_dim, delta.shape[-1])
+    index = {"wq": slice(0, per_kv), "wk": per_kv, "wv": per_kv + 1}[part]
+    return grouped[:, index].reshape(-1, delta.shape[-1])
