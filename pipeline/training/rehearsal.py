@@ -59,7 +59,7 @@ class Rehearsal:
     differences: list[Difference]
 
 
-def _load(target: str, path: str) -> TrainSettings:
+def _settings_for(target: str, path: str) -> TrainSettings:
     return settings_mod.load(target, path, registry.names())
 
 
@@ -80,7 +80,7 @@ def tensor_parallel_degree(planned: int, arch: Qwen3Arch) -> int:
 
 def plan(path: str, arch: Qwen3Arch, steps: int = STEPS) -> Rehearsal:
     """trn2.toml's settings for `path`, rehearsable on this CPU, with every difference named."""
-    planned, host = _load(PLAN_TARGET, path), _load(HOST_TARGET, path)
+    planned, host = _settings_for(PLAN_TARGET, path), _settings_for(HOST_TARGET, path)
     differences = []
     changes = {}
     for key in WORKLOAD:
