@@ -29,6 +29,7 @@ def write_local_data(path: Path) -> Path:
 
 def run(args: argparse.Namespace) -> Path | None:
     home = store.home(args.model)
+    store.mark_root(home.root)
     written = write_local_data(home.data_file)
     print(f"training data: {written} ({len(corpus.held_out_documents())} held-out documents, "
           f"corpus sha256 {corpus.checked_fingerprint()[:12]})")

@@ -56,6 +56,7 @@ def run(args: argparse.Namespace) -> Path:
     if kind == "local":
         hf_dir.validate(Path(home.source.path))  # a broken source leaves nothing behind
     # Fail on an unwritable checkpoints root now, not after minutes of work.
+    store.mark_root(home.root)
     home.dir.mkdir(parents=True, exist_ok=True)
     if kind != "hub" and home.source_record.exists():
         home.source_record.unlink()  # source/ is about to be replaced: not downloaded until it is complete
