@@ -69,6 +69,8 @@ def resolve(request: RunRequest) -> RunSpec:
         overrides=list(path.overrides(target.name, cfg)), titan_args=list(request.titan_args),
     )
     check_parallelism(spec)
+    check_positions(spec)
+    dataset.check_documents(data, cfg.world_size // cfg.tensor_parallel)
     check_device_choices(spec)
     if path.prepare is not None:
         path.prepare(spec, request.dry_run)  # the path's own rules (kernel constraints) first: they name the fix
@@ -116,6 +118,14 @@ def check_parallelism(spec: RunSpec) -> None:
         raise PipelineError(f"data_parallel_shard={s.data_parallel_shard} × tensor_parallel={tp} ≠ {world} ranks.",
                             "set data_parallel_shard = -1 to use every remaining rank.")
 
+
+
+def check_positions(spec: RunSpec) -> None:
+    """RoPE and the model are built for max_position_embeddings: a longer sequence is not this model."""
+    seq_len, limit = spec.settings.seq_len, spec.arch.max_position_embeddings
+    if seq_len > limit:
+        raise PipelineError(f"SEQ_LEN={seq_len} is beyond the model's max_position_embeddings ({limit}, its "
+                            "config.json).", f"give SEQ_LEN ≤ {limit}.")
 
 
 def check_device_choices(spec: RunSpec) -> None:
