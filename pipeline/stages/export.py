@@ -27,7 +27,7 @@ from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_directory
 from pipeline.models import registry
 from pipeline.run import store
-from pipeline.run.rundir import RunDir
+from pipeline.run.rundir import RunDir, RunLock
 from pipeline.run.settings import DTYPES
 from pipeline.run.spec import RunSpec
 
@@ -71,7 +71,9 @@ def run(args: argparse.Namespace) -> Path:
                             "give a number with a unit, e.g. 5GB or 500MB.") from err
     config = ExportConfig(run=store.home(args.model).run(args.path), dtype=args.dtype,
                           max_shard_size=args.max_shard_size, step=args.step, force=args.force)
-    return export(config)
+    config.run.spec()  # no run there: say so before a lock file is made
+    with RunLock(config.run, activity="exporting"):  # no training or second export writes there meanwhile
+        return export(config)
 
 
 @dataclass

@@ -140,6 +140,9 @@ class WeightsCheckpointManager(compat.checkpoint_manager_base()):
             self.save_weights(step)
             weights_s = time.perf_counter() - started
         self._record_save(step, dcp_s, weights_s)
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            # DCP's rank 0 wrote .metadata: its digest is what a resume checks before unpickling it
+            RunDir(Path(self.step_folder(step)).parent.parent).record_dcp_digest(step)
         release_free_memory()  # nor is what the save allocated, by the steps that follow
 
     def _record_save(self, step: int, dcp_s: float, weights_s: float | None) -> None:
@@ -292,6 +295,8 @@ class PipelineTrainer(Trainer):
             yield input_dict, labels
 
     def train(self):
+        # Before torchtitan's checkpointer unpickles the resume step's .metadata: is it ours?
+        RunDir(Path(self.config.dump_folder)).check_resume()
         self._truncate_metrics_after_checkpoint()
         result = super().train()
         # torchtitan saves only after a step (enable_first_step_checkpoint means after step 1),

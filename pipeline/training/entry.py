@@ -18,7 +18,7 @@ from pathlib import Path
 ENTERED = time.time()
 
 from pipeline.errors import PipelineError
-from pipeline.run import rundir
+from pipeline.run import diskspace, rundir
 from pipeline.run.spec import RunSpec
 from pipeline.titan import compat
 from pipeline.training import dataset
@@ -174,6 +174,17 @@ def main(argv: list[str] | None = None) -> None:
     except PipelineError as err:
         rundir.RunDir(Path(spec.run_dir)).record_failure(rank, err.problem, err.fix or "")
         print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except BaseException as err:  # DCP's CheckpointException is a BaseException
+        full = diskspace.full_disk_error(err)
+        if full is None:
+            raise
+        problem, fix = diskspace.full_disk_failure(full, Path(spec.run_dir))
+        try:  # a few bytes; the disk may not even have those
+            rundir.RunDir(Path(spec.run_dir)).record_failure(rank, problem, fix)
+        except OSError:
+            pass
+        print(f"error: {problem} Fix: {fix}", file=sys.stderr, flush=True)
         sys.exit(2)
     _exit_skipping_teardown()
 
