@@ -134,15 +134,16 @@ class WeightsCheckpointManager(compat.checkpoint_manager_base()):
 
     def after_save(self, step: int, last_step: bool) -> None:
         dcp_s = time.perf_counter() - self._save_started
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            # DCP's rank 0 wrote .metadata: its digest is what a resume checks before unpickling it
+            # (first, so a kill right after the save leaves the step resumable)
+            RunDir(Path(self.step_folder(step)).parent.parent).record_dcp_digest(step)
         weights_s = None
         if last_step:
             started = time.perf_counter()
             self.save_weights(step)
             weights_s = time.perf_counter() - started
         self._record_save(step, dcp_s, weights_s)
-        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-            # DCP's rank 0 wrote .metadata: its digest is what a resume checks before unpickling it
-            RunDir(Path(self.step_folder(step)).parent.parent).record_dcp_digest(step)
         release_free_memory()  # nor is what the save allocated, by the steps that follow
 
     def _record_save(self, step: int, dcp_s: float, weights_s: float | None) -> None:
