@@ -10,6 +10,7 @@ dir (failure.json), which the launcher reports as its own.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -180,12 +181,13 @@ def main(argv: list[str] | None = None) -> None:
         if full is None:
             raise
         problem, fix = diskspace.full_disk_failure(full, Path(spec.run_dir))
-        try:  # a few bytes; the disk may not even have those
+        # failure.json is a few bytes, and the rank's stderr (torchrun's --tee log) is on that disk too:
+        # either may fail now; the launcher then names the full disk itself (stages.train._failure).
+        with contextlib.suppress(OSError):
             rundir.RunDir(Path(spec.run_dir)).record_failure(rank, problem, fix)
-        except OSError:
-            pass
-        print(f"error: {problem} Fix: {fix}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        with contextlib.suppress(OSError):
+            print(f"error: {problem} Fix: {fix}", file=sys.stderr, flush=True)
+        os._exit(2)  # an exit flushing a stream on the full disk would fail again
     _exit_skipping_teardown()
 
 
