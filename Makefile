@@ -172,7 +172,7 @@ test-fast: setup ## the fast tier: everything that does not train or build image
 bench: setup ## measure overhead, time to first step, scaling, export/verify, memory → bench/results.json
 	BENCH_REPEATS=$(call q,$(BENCH_REPEATS)) BENCH_ONLY=$(call q,$(BENCH_ONLY)) $(PY) bench/run.py
 
-clean: ## remove every run, report and data under checkpoints/ (keeps downloaded weights and .venv)
+clean: ## remove every run, report and data under checkpoints/ (keeps downloaded weights and .venv; only in a root the pipeline marked)
 	@$(CHECKPOINTS_SH) find "$$root/" -mindepth 2 -maxdepth 2 \( -name runs -o -name data -o -name report -o -name launch -o -name rehearse \) -exec rm -rf {} +; }
 
 distclean: ## remove everything: all of checkpoints/ (downloads too) and .venv

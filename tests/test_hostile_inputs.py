@@ -235,6 +235,7 @@ def imported(local_model, tmp_path_factory) -> tuple[Path, str]:
     return root, str(local_model)
 
 
+@pytest.mark.slow  # the module's model imported (≈20 s on 2 cores)
 def test_a_planted_dcp_metadata_is_refused_before_any_rank_starts(imported, tmp_path):
     from pipeline.run import store
 
@@ -463,6 +464,7 @@ HOLD = ("import sys, time; from pipeline.run.rundir import RunDir, RunLock\n"
         "with RunLock(RunDir(sys.argv[1])):\n    print('held', flush=True)\n    time.sleep(600)\n")
 
 
+@pytest.mark.slow  # the module's model imported (≈20 s on 2 cores)
 def test_export_while_the_run_is_busy_is_refused(imported):
     from pipeline.run import store
     from pipeline.training.resolve import RunRequest, resolve
@@ -494,6 +496,7 @@ def test_download_of_a_directory_without_config_json_does_not_say_run_download(w
     world.unchanged()
 
 
+@pytest.mark.slow  # the module's model imported (≈20 s on 2 cores)
 def test_a_truncated_weights_file_names_the_fix_that_works(imported):
     from pipeline.run import store
     from pipeline.training.resolve import RunRequest, resolve
