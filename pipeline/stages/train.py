@@ -25,7 +25,7 @@ from pathlib import Path
 from pipeline.errors import PipelineError
 from pipeline.models import registry
 from pipeline.run import diskspace, targets
-from pipeline.run.rundir import RunDir, RunLock  # noqa: F401  (RunLock: the lock lives with the run dir)
+from pipeline.run.rundir import RunDir, RunLock
 from pipeline.titan import compat
 from pipeline.run.spec import RunSpec
 from pipeline.training import memory, torchrun
