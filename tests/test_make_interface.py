@@ -123,10 +123,11 @@ def test_train_downloads_and_prepares_data_first_unless_dry_run():
 def test_variables_reach_the_train_command():
     line = train_line(make("-n", "train-native", "DATASET=/data/mine.jsonl", "REVISION=abc123", "STEPS=3",
                            "TITAN_ARGS=--training.steps 1 --job.description 'a b'"))
-    assert "--dataset /data/mine.jsonl" in line and "--revision abc123" in line and "--steps 3" in line
-    # what the shell receives: one --titan-args=… word that shlex splits back into the flags
+    # what the shell receives: each value one word; one --titan-args=… word that shlex splits back into the flags
     import shlex
     words = shlex.split(line)
+    pairs = set(zip(words, words[1:]))
+    assert {("--dataset", "/data/mine.jsonl"), ("--revision", "abc123"), ("--steps", "3")} <= pairs
     titan = next(w for w in words if w.startswith("--titan-args="))
     assert shlex.split(titan.split("=", 1)[1]) == ["--training.steps", "1", "--job.description", "a b"]
 
@@ -137,6 +138,7 @@ def test_clean_keeps_downloads(tmp_path):
             (tmp_path / key / part).mkdir(parents=True)
         (tmp_path / key / "source.json").write_text("{}")
         (tmp_path / key / "source" / "model.safetensors").write_text("weights")
+    (tmp_path / ".pipeline-checkpoints").write_text("")  # a checkpoints root the pipeline made
     result = make("clean", env={"PIPELINE_CHECKPOINTS": str(tmp_path)})
     assert result.returncode == 0, result.stderr
     for key in ("tiny", "Qwen--Qwen3-0.6B"):

@@ -139,7 +139,7 @@ def test_make_doctor_passes_in_container(monkeypatch):
     env = {k: v for k, v in os.environ.items() if k not in ("IN_CONTAINER", "IMAGE")}
     out = subprocess.run(["make", "-n", "--no-print-directory", "doctor", "IN_CONTAINER=1", "IMAGE=reg/q:1"], cwd=REPO,
                          capture_output=True, text=True, env=env, check=True).stdout
-    assert "--in-container --image reg/q:1" in out
+    assert "--in-container --image 'reg/q:1'" in out  # each value one single-quoted word
     out = subprocess.run(["make", "-n", "--no-print-directory", "doctor"], cwd=REPO, capture_output=True, text=True,
                          env=env, check=True).stdout
     assert "--in-container" not in out  # no /dev/neuron0 here: the stages run in this venv
@@ -162,7 +162,7 @@ def test_on_a_neuron_host_stages_run_in_the_image_unless_the_venv_has_torchneuro
     (venv / "bin").mkdir()
     (venv / "bin" / "python").touch()
     out = _make_n("train-native", "DRY_RUN=1", f"VENV={venv}", **neuron)
-    assert " -m pipeline image" not in out and f"{venv}/bin/python -m pipeline train" in out
+    assert " -m pipeline image" not in out and f"'{venv}/bin/python' -m pipeline train" in out
     assert " -m pipeline image" not in _make_n("train-native", "DRY_RUN=1")  # no Neuron device here
 
 

@@ -218,6 +218,7 @@ def test_export_onto_a_full_disk_fails_cleanly(checkpoints, tmp_path):
         assert err.startswith("error:") and "full disk" in err and "Fix:" in err, err
         assert {p: sha(p) for p in before} == before
         manifest.check(run / "export")
-        assert sorted(p.name for p in run.iterdir()) == ["checkpoint", "export", "run.json"]
+        # .lock: the run's lock, which export holds while it writes (as a launch does)
+        assert sorted(p.name for p in run.iterdir()) == [".lock", "checkpoint", "export", "run.json"]
     finally:
         subprocess.run(["umount", str(run)], check=False)

@@ -162,5 +162,7 @@ def test_make_rehearse_runs_the_stage():
     result = subprocess.run(["make", "-n", "--no-print-directory", "rehearse", "MODEL=tiny-moe", "NODES=0"], cwd=REPO,
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    lines = [" ".join(line.split()) for line in result.stdout.splitlines()]
-    assert ".venv/bin/python -m pipeline rehearse --model tiny-moe --nodes 0" in lines
+    import shlex
+
+    commands = [shlex.split(line) for line in result.stdout.splitlines() if "-m pipeline" in line]  # the words the shell runs
+    assert [".venv/bin/python", "-m", "pipeline", "rehearse", "--model", "tiny-moe", "--nodes", "0"] in commands

@@ -113,7 +113,7 @@ def test_in_container_runs_stages_in_the_image_and_the_rest_on_the_host():
     """The workflow's IN_CONTAINER=1 (an environment variable) reaches the Makefile's PIPE."""
     for target, stages in STAGES_OF.items():
         lines = _make_dry(target, IN_CONTAINER="1", IMAGE="reg/qwen3:7")
-        assert all(" -m pipeline image --image reg/qwen3:7 --run " in line for line in lines), lines
+        assert all(" -m pipeline image --image 'reg/qwen3:7' --run " in line for line in lines), lines
         assert [line.split(" --run ")[1].split()[0] for line in lines] == stages, lines
         lines = _make_dry(target, IN_CONTAINER="1")
         # the image's own default: the lock-derived tag

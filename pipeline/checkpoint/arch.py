@@ -14,6 +14,13 @@ from pathlib import Path
 from pipeline.errors import PipelineError
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe")
+# Bounds far above any Qwen3 release (largest: 94 layers, 128 experts, hidden 4096, vocab 151936,
+# 262144 positions), checked before anything is sized from config.json: a config claiming 10⁸ layers
+# would otherwise build a 10⁹-entry table of expected tensors (download) or a terabyte estimate.
+LIMITS = {"vocab_size": 1 << 22, "hidden_size": 1 << 16, "intermediate_size": 1 << 20, "num_hidden_layers": 1024,
+          "num_attention_heads": 1024, "num_key_value_heads": 1024, "head_dim": 4096,
+          "max_position_embeddings": 1 << 24, "num_experts": 4096, "num_experts_per_tok": 4096,
+          "moe_intermediate_size": 1 << 20}
 # torchtitan's Qwen3 hard-codes these; a checkpoint that differs cannot be trained faithfully.
 TITAN_RMS_NORM_EPS = 1e-6
 
@@ -196,15 +203,37 @@ def arch_from_config(cfg: dict, where: str = "config.json") -> Qwen3Arch:
             num_experts_per_tok=int(cfg["num_experts_per_tok"]),
             moe_intermediate_size=int(cfg["moe_intermediate_size"]),
         )
+    _check_limits(fields, where)
     return Qwen3Arch(**fields)
 
 
-def load_arch(hf_dir: Path) -> Qwen3Arch:
+def _check_limits(fields: dict, where: str) -> None:
+    for key, limit in LIMITS.items():
+        value = fields.get(key)
+        if value is None or (value == 0 and key in ("intermediate_size", "num_experts", "num_experts_per_tok",
+                                                    "moe_intermediate_size")):
+            continue  # 0: the part is absent (no dense MLP in an MoE, no experts in a dense model)
+        if not 1 <= value <= limit:
+            raise PipelineError(f"{where}: {key} is {value}, outside 1…{limit} (beyond any Qwen3).",
+                                "use the checkpoint's original config.json.")
+    if fields.get("num_experts_per_tok", 0) > fields.get("num_experts", 0):
+        raise PipelineError(f"{where}: num_experts_per_tok {fields['num_experts_per_tok']} is more than num_experts "
+                            f"{fields['num_experts']}: the router cannot pick that many experts.",
+                            "use the checkpoint's original config.json (num_experts_per_tok ≤ num_experts).")
+
+
+def load_arch(hf_dir: Path, fix: str = "give a Hugging Face checkpoint directory with its config.json.") -> Qwen3Arch:
+    """`fix` says what the caller's user does about a missing or unreadable config.json (download:
+    point MODEL elsewhere; a run: download again)."""
+    from pipeline.fsutil import read_small_text
+
     path = Path(hf_dir) / "config.json"
     try:
-        cfg = json.loads(path.read_text())
+        cfg = json.loads(read_small_text(path, fix=fix))
     except FileNotFoundError as err:
-        raise PipelineError(f"{path} does not exist.", "run `make download MODEL=…` first.") from err
+        raise PipelineError(f"{path} does not exist.", fix) from err
     except json.JSONDecodeError as err:
-        raise PipelineError(f"{path} is not valid JSON ({err}).", "re-download the checkpoint.") from err
+        raise PipelineError(f"{path} is not valid JSON ({err}).", fix) from err
+    if not isinstance(cfg, dict):
+        raise PipelineError(f"{path} is not a JSON object.", fix)
     return arch_from_config(cfg, str(path))

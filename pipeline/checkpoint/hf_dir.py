@@ -7,11 +7,13 @@ ever read; a pickle-based weight file in the directory is refused, never opened.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.errors import PipelineError
 from pipeline.checkpoint.arch import Qwen3Arch, load_arch
+from pipeline.fsutil import INDEX_FILE_BYTES, read_small_text
 
 INDEX = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
@@ -34,7 +36,7 @@ class CheckpointReport:
     mismatched: list[str] = field(default_factory=list)
 
 
-def read_header(path: Path) -> dict[str, TensorInfo]:
+def read_header(path: Path, fix: str = "re-download the checkpoint (FORCE=1), or re-export it (FORCE=1).") -> dict[str, TensorInfo]:
     """Tensor name → dtype/shape from a safetensors header (safetensors' own parser, which also
     refuses a truncated file or a corrupt header); no tensor data is read. The numpy framework
     keeps torch out of processes that only look (the train launcher, dry runs)."""
@@ -49,12 +51,41 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
                 infos[name] = TensorInfo(path.name, info.get_dtype(), tuple(info.get_shape()))
             return infos
     except SafetensorError as err:
-        raise PipelineError(f"{path} is truncated or corrupt ({err}).", "re-download or re-export it.") from err
+        raise PipelineError(f"{path} is truncated or corrupt ({err}).", fix) from err
+
+
+def link_root(directory: Path) -> Path:
+    """How far a symlink in `directory` may lead: the directory itself, or, for a snapshot in the
+    Hugging Face cache (whose files are links to ../../blobs/), its repository's cache folder."""
+    from huggingface_hub import constants
+
+    directory = Path(directory).resolve()
+    cache = Path(constants.HF_HUB_CACHE).resolve()
+    if directory.parent.name == "snapshots" and directory.is_relative_to(cache):
+        return directory.parent.parent
+    return directory
+
+
+def check_links(directory: Path) -> None:
+    """Refuse a symlink that leads out of the checkpoint directory (a chat_template.jinja → /etc/passwd
+    would be copied into source/ and every export): its files are read and copied as the checkpoint's."""
+    root = link_root(directory)
+    for item in Path(directory).iterdir():
+        if not item.is_symlink():
+            continue
+        try:
+            target = item.resolve()
+        except (OSError, RuntimeError):  # a loop
+            target = Path(os.readlink(item))
+        if not target.is_relative_to(root):
+            raise PipelineError(f"{item} is a symlink to {target}, outside the checkpoint directory {root}; "
+                                "it is not read.", "replace the link by the file it stands for (cp -L), or remove it.")
 
 
 def shard_files(directory: Path) -> list[Path]:
     """The safetensors shards a checkpoint consists of, cross-checked against its index."""
     directory = Path(directory)
+    check_links(directory)
     pickles = sorted(p.name for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES)
     if pickles:
         raise PipelineError(
@@ -65,8 +96,8 @@ def shard_files(directory: Path) -> list[Path]:
     index_path = directory / INDEX
     if index_path.exists():
         try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as err:
+            weight_map = json.loads(read_small_text(index_path, INDEX_FILE_BYTES, "restore the checkpoint's index."))["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
             raise PipelineError(f"{index_path} is not a valid index ({err}).", "re-download or re-export it.") from err
         indexed = sorted(set(weight_map.values()))
         absent = [s for s in indexed if s not in on_disk]
@@ -89,8 +120,9 @@ def read_tensors(directory: Path) -> dict[str, TensorInfo]:
     directory = Path(directory)
     tensors: dict[str, TensorInfo] = {}
     index_path = directory / INDEX
-    weight_map = json.loads(index_path.read_text())["weight_map"] if index_path.exists() else None
-    for shard in shard_files(directory):
+    shards = shard_files(directory)  # checks the index first
+    weight_map = json.loads(read_small_text(index_path, INDEX_FILE_BYTES))["weight_map"] if index_path.exists() else None
+    for shard in shards:
         for name, info in read_header(shard).items():
             if name in tensors:
                 raise PipelineError(f"{name} is stored twice ({tensors[name].shard}, {shard.name}).", "re-export it.")
@@ -110,6 +142,7 @@ def inspect(directory: Path, require_tokenizer: bool = True) -> CheckpointReport
     directory = Path(directory)
     if not directory.is_dir():
         raise PipelineError(f"{directory} is not a directory.", "give MODEL as a Hub id, a checkpoint directory or tiny/tiny-moe.")
+    check_links(directory)
     arch = load_arch(directory)
     if require_tokenizer:
         absent = [f for f in TOKENIZER_REQUIRED if not (directory / f).exists()]

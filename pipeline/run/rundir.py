@@ -5,17 +5,21 @@
   checkpoint/step-N/     torchtitan DCP (complete once its .metadata and every rank's shard exist: what resume uses);
                          a run's last step also holds model_weights.safetensors (what export reads)
   export/                the HF export                        verify.json     verify's result
-  logs/, tb/             per-rank logs, TensorBoard events    .lock           held by a live launch
+  logs/, tb/             per-rank logs, TensorBoard events    .lock           held by a live launch or export
   plan/rank*.json        what each rank ran (parallel layout, step 1), when the run records it (rehearse)
   failure.json           a rank's one-line error (PipelineError), read back by the launcher
   memory.json            each rank's peak memory against the estimate (pipeline.training.memory)
   reference_loss.json    verify's plain-transformers loss of the source on the first batch (kept)
   saves.jsonl            one line per checkpoint save: seconds and bytes of DCP and of the weights copy
+  dcp_digests.json       sha256 of each step's DCP .metadata (a pickle), recorded as the pipeline saves it:
+                         a resume loads a step only when its .metadata still matches (check_dcp_metadata)
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +47,7 @@ FAILURE = "failure.json"
 MEMORY = "memory.json"
 REFERENCE_LOSS = "reference_loss.json"
 SAVES = "saves.jsonl"
+DCP_DIGESTS = "dcp_digests.json"
 
 
 @dataclass(frozen=True)
@@ -156,6 +161,47 @@ class RunDir:
                     found[int(match.group(1))] = item
         return found
 
+    @property
+    def dcp_digests(self) -> Path:
+        return self.path / DCP_DIGESTS
+
+    def _recorded_digests(self) -> dict:
+        from pipeline.fsutil import read_small_text
+
+        try:
+            recorded = json.loads(read_small_text(self.dcp_digests))
+        except (FileNotFoundError, json.JSONDecodeError, PipelineError):
+            return {}
+        return recorded if isinstance(recorded, dict) else {}
+
+    def record_dcp_digest(self, step: int) -> None:
+        """After the pipeline's own save of `step` (rank 0): its .metadata's sha256, kept atomically."""
+        from pipeline.fsutil import atomic_write_text
+
+        present = {str(s) for s in self.checkpoint_steps()}  # steps torchtitan purged drop out
+        digests = {k: v for k, v in self._recorded_digests().items() if k in present}
+        digests[str(step)] = _sha256(self.step_dir(step) / DCP_METADATA)
+        atomic_write_text(self.dcp_digests, json.dumps(digests, indent=1, sort_keys=True) + "\n")
+
+    def check_dcp_metadata(self, step: int) -> None:
+        """DCP's .metadata is a pickle, and loading it runs whatever it holds: a resume loads a step
+        only when its .metadata is the one this pipeline wrote (a file planted in a shared run
+        directory, or copied from elsewhere, is refused before any rank reads it)."""
+        metadata = self.step_dir(step) / DCP_METADATA
+        recorded = self._recorded_digests().get(str(step))
+        if recorded is None or recorded != _sha256(metadata):
+            why = "no save of that step is recorded in" if recorded is None else "it differs from the digest recorded in"
+            raise PipelineError(f"{metadata} is not the one this pipeline saved ({why} {self.dcp_digests}); DCP's "
+                                "metadata is a pickle and is not loaded.",
+                                f"start over with FRESH=1, or remove {self.step_dir(step)} to resume from an earlier "
+                                "step (a checkpoint from elsewhere is code: see docs/design.md).")
+
+    def check_resume(self) -> None:
+        """The step a resume would load (torchtitan: the last complete one) passes check_dcp_metadata."""
+        steps = self.dcp_steps()
+        if steps:
+            self.check_dcp_metadata(steps[-1])
+
     def dcp_steps(self) -> list[int]:
         """Steps whose DCP save finished: DCP renames .metadata into place last (torchtitan
         resumes from the last of these)."""
@@ -258,3 +304,42 @@ class RunDir:
             raise PipelineError(f"{self.first_batch} holds no recorded batch.",
                                 "run the training stage (STEPS ≥ 1 records it) before checking the step-1 loss.")
         return [load_file(str(f)) for f in files]
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+class RunLock:
+    """An exclusive flock on <run dir>/.lock for the life of a launch (or an export: it reads the
+    checkpoints a live run rewrites, and two exports share one temporary sibling's target); the
+    kernel drops it when the holder dies, so a lock left by a killed process is simply taken over."""
+
+    def __init__(self, run: RunDir, activity: str = ""):
+        self.path = run.lock
+        self.activity = activity  # written beside the pid, for the refusal another process prints
+        self.handle = None
+
+    def __enter__(self) -> "RunLock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.handle = open(self.path, "a+")
+        try:
+            fcntl.flock(self.handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as err:
+            self.handle.seek(0)
+            holder = self.handle.read().strip() or "another process"
+            self.handle.close()
+            raise PipelineError(f"{self.path.parent} is in use by a live run ({holder}).",
+                                "wait for it to finish or stop it; two writers in one run directory corrupt "
+                                "each other.") from err
+        self.handle.seek(0)
+        self.handle.truncate()
+        self.handle.write(f"pid {os.getpid()} on {os.uname().nodename}{f', {self.activity}' if self.activity else ''}\n")
+        self.handle.flush()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.close()

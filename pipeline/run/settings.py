@@ -109,12 +109,16 @@ def _table_changes(table: dict, where: str) -> dict:
     return changes
 
 
-def _read(config_file: Path, paths: Iterable[str]) -> dict:
+def _read(config_file: Path, paths: Iterable[str], users: bool = False) -> dict:
+    """A config file's tables; `users`: the CONFIG= file (a missing one is a wrong path, not a wrong TARGET)."""
+    from pipeline.fsutil import read_small_text
+
+    fix = "check the CONFIG path (a TOML file with a [train] table)." if users else \
+        f"create it, or pick TARGET from {list_targets()}."
     try:
-        data = tomllib.loads(Path(config_file).read_text())
+        data = tomllib.loads(read_small_text(Path(config_file), fix=fix))
     except FileNotFoundError as err:
-        raise PipelineError(f"config file {config_file} does not exist.",
-                            f"create it, or pick TARGET from {list_targets()}.") from err
+        raise PipelineError(f"config file {config_file} does not exist.", fix) from err
     except tomllib.TOMLDecodeError as err:
         raise PipelineError(f"{config_file} is not valid TOML: {err}.", "fix its syntax.") from err
     for key in data:
@@ -132,10 +136,10 @@ def load(target: str, path: str, paths: Iterable[str], user_config: Path | None 
     """configs/<target>.toml, then `user_config` over it key by key; [paths.<path>] over [train] in each."""
     paths = tuple(paths)
     settings = TrainSettings()
-    for config_file in (CONFIG_DIR / f"{target}.toml", user_config):
+    for config_file, users in ((CONFIG_DIR / f"{target}.toml", False), (user_config, True)):
         if config_file is None:
             continue
-        data = _read(config_file, paths)
+        data = _read(config_file, paths, users)
         settings = replace(settings, **_table_changes(data.get("train", {}), f"{config_file} [train]"))
         table = data.get("paths", {}).get(path, {})
         settings = replace(settings, **_table_changes(table, f"{config_file} [paths.{path}]"))

@@ -26,10 +26,23 @@ REPO = Path(__file__).resolve().parent.parent.parent
 EMBEDDED_NAMES = ("tiny", "tiny-moe")
 SOURCE_RECORD = "source.json"
 HUB_CONFIGS = CONFIG_DIR / "hub_configs"  # real (and trn2-shaped) config.json files, for dry runs
+# Written into every checkpoints root the pipeline writes to: `make clean` / `distclean` delete only
+# under a directory that carries it (the Makefile's ROOT_MARKER names the same file).
+ROOT_MARKER = ".pipeline-checkpoints"
 
 
 def checkpoints_root() -> Path:
     return Path(os.environ.get("PIPELINE_CHECKPOINTS", REPO / "checkpoints"))
+
+
+def mark_root(root: Path | None = None) -> None:
+    """Create the checkpoints root if needed and mark it as the pipeline's (what clean checks)."""
+    root = Path(root) if root else checkpoints_root()
+    root.mkdir(parents=True, exist_ok=True)
+    marker = root / ROOT_MARKER
+    if not marker.exists():
+        atomic_write_text(marker, "A checkpoints root of the pipeline: `make clean` / `make distclean` delete only "
+                                  "under a directory carrying this file.\n")
 
 
 @dataclass(frozen=True)
@@ -116,6 +129,7 @@ class ModelHome:
         return json.loads(self.source_record.read_text())
 
     def write_record(self, **fields) -> None:
+        mark_root(self.root)
         atomic_write_text(self.source_record, json.dumps({"kind": self.source.kind, "model": self.source.model,
                                                           **fields}, indent=2) + "\n")
 

@@ -67,6 +67,7 @@ def write_chat_data(train_file: Path) -> tuple[Path, Path, int, int]:
 
 def run(args: argparse.Namespace) -> Path | None:
     home = store.home(args.model)
+    store.mark_root(home.root)
     written = write_local_data(home.data_file)
     print(f"training data: {written} ({len(corpus.held_out_documents())} held-out documents, "
           f"corpus sha256 {corpus.checked_fingerprint()[:12]})")

@@ -10,6 +10,7 @@ and never printed). source.json is written last: a model is downloaded exactly w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
@@ -58,7 +59,20 @@ def run(args: argparse.Namespace) -> Path:
     if kind == "local":
         hf_dir.validate(Path(home.source.path))  # a broken source leaves nothing behind
     # Fail on an unwritable checkpoints root now, not after minutes of work.
+    store.mark_root(home.root)
+    created = not home.dir.exists()
     home.dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return _fetch(args, home, revision)
+    except BaseException:
+        if created:  # a refused MODEL (a bad Hub id) leaves no empty checkpoints/<key>/ behind
+            with contextlib.suppress(OSError):
+                home.dir.rmdir()  # only when empty
+        raise
+
+
+def _fetch(args: argparse.Namespace, home: store.ModelHome, revision: str | None) -> Path:
+    kind = home.source.kind
     if kind != "hub" and home.source_record.exists():
         home.source_record.unlink()  # source/ is about to be replaced: not downloaded until it is complete
     if kind == "embedded":

@@ -27,7 +27,7 @@ from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_directory
 from pipeline.models import registry
 from pipeline.run import model_card, store
-from pipeline.run.rundir import RunDir
+from pipeline.run.rundir import RunDir, RunLock
 from pipeline.run.settings import DTYPES
 from pipeline.run.spec import RunSpec
 
@@ -72,7 +72,9 @@ def run(args: argparse.Namespace) -> Path:
                             "give a number with a unit, e.g. 5GB or 500MB.") from err
     config = ExportConfig(run=store.home(args.model).run(args.name or args.path), dtype=args.dtype,
                           max_shard_size=args.max_shard_size, step=args.step, force=args.force)
-    return export(config)
+    config.run.spec()  # no run there: say so before a lock file is made
+    with RunLock(config.run, activity="exporting"):  # no training or second export writes there meanwhile
+        return export(config)
 
 
 @dataclass
@@ -89,7 +91,10 @@ def plan(weights: Path, spec: RunSpec, source_keys: dict, dtype: str) -> list[Pi
     (torchtitan's Qwen3StateDictAdapter on native/nki) applied to meta tensors, key by key."""
     import torch
 
-    header = hf_dir.read_header(weights)  # truncation → a clear error before anything is read
+    # truncation → a clear error before anything is read. A rerun of training rewrites a last step's
+    # missing weights file (titan.trainer.PipelineTrainer.train), not a damaged one: it must go first.
+    header = hf_dir.read_header(weights, f"delete {weights} and rerun the training command; it rewrites the weights "
+                                         "of the run's last step.")
     model_spec = registry.get(spec.path).build(spec)
     adapter = model_spec.state_dict_adapter(model_spec.model, None)
     pieces: list[Piece] = []
@@ -136,7 +141,8 @@ class Converter:
                 tensor = self.reader.get(piece.titan_key)
             except (OSError, ValueError) as err:
                 raise PipelineError(f"{self.weights} cannot be read ({err}).",
-                                    "rerun the training stage to rewrite the checkpoint.") from err
+                                    f"delete {self.weights} and rerun the training command; it rewrites the weights "
+                                    "of the run's last step.") from err
             if tensor.is_floating_point() and not _finite(tensor, self.torch):
                 raise PipelineError(f"{self.weights}: tensor {piece.titan_key} holds NaN or Inf; the run diverged.",
                                     "export an earlier step (--step) or retrain with a lower learning rate.")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,6 +116,12 @@ def plan(args: argparse.Namespace) -> LaunchPlan:
     cluster_ckpt = args.cluster_checkpoints or default_ckpt
     if not cluster_ckpt.startswith("/"):
         raise PipelineError(f"--cluster-checkpoints {cluster_ckpt!r} is not absolute.", "give an absolute path.")
+    for flag, value in (("--run-dir", args.run_dir), ("--output", args.output), ("--cluster-checkpoints", cluster_ckpt),
+                        ("--compile-cache", args.compile_cache), ("--venv", args.venv), ("--image", args.image)):
+        if value is not None and any(ord(c) < 32 or ord(c) == 127 for c in str(value)):
+            # A newline would end the script's line (or its heredoc) and start one of its own.
+            raise PipelineError(f"{flag} {str(value)!r} holds a control character (a newline?).",
+                                "give it without newlines or other control characters.")
     # The trn2 run with the paths the nodes see; TP/FSDP checked against the multi-node world.
     spec = resolve(RunRequest(model=args.model, path=args.path, target=args.target, steps=args.steps,
                               seq_len=args.seq_len, nproc_per_node=args.nproc_per_node, nnodes=args.nodes,
@@ -161,9 +168,25 @@ def hf_environment(environ) -> dict:
 
 
 def node_command(spec: RunSpec, python: str, run_json: str) -> str:
-    """train's torchrun command for one node; ${VAR}s stay for the node's shell to expand."""
+    """train's torchrun command for one node, as shell words: the ${VAR}s torchrun.NODE_EXPANSIONS
+    names stay for the node's shell to expand, everything else (paths with `$(…)`, quotes, spaces)
+    is single-quoted data."""
     command = torchrun.command(spec, python=python, run_json=run_json)
-    return " ".join(f'"{part}"' if "${" in part else shlex.quote(part) for part in command)
+    return " ".join(shell_word(part) for part in command)
+
+
+_EXPANSION = re.compile("(" + "|".join(re.escape(e) for e in torchrun.NODE_EXPANSIONS) + ")")
+
+
+def shell_word(part: str) -> str:
+    """One shell word: the launcher's own expansions double-quoted, every other piece shlex-quoted."""
+    pieces = [p for p in _EXPANSION.split(part) if p]
+    literals = [p for p in pieces if p not in torchrun.NODE_EXPANSIONS]
+    if len(literals) == len(pieces):
+        return shlex.quote(part)
+    if all(shlex.quote(p) == p for p in literals):  # nothing in it the shell would read: one readable word
+        return f'"{part}"'
+    return "".join(f'"{p}"' if p in torchrun.NODE_EXPANSIONS else shlex.quote(p) for p in pieces)
 
 
 def _env_lines(plan_: LaunchPlan) -> dict:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import fcntl
 import json
 import os
 import re
@@ -25,8 +24,8 @@ from pathlib import Path
 
 from pipeline.errors import PipelineError
 from pipeline.models import registry
-from pipeline.run import continuation, targets
-from pipeline.run.rundir import RunDir
+from pipeline.run import continuation, diskspace, targets
+from pipeline.run.rundir import RunDir, RunLock
 from pipeline.titan import compat
 from pipeline.run.spec import RunSpec
 from pipeline.training import dataset, memory, torchrun
@@ -62,35 +61,6 @@ def request(args: argparse.Namespace) -> RunRequest:
                       revision=args.revision,
                       titan_args=tuple(shlex.split(args.titan_args)), dry_run=args.dry_run,
                       name=getattr(args, "name", None))
-
-
-class RunLock:
-    """An exclusive flock on <run dir>/.lock for the life of the launch; the kernel drops it when the
-    holder dies, so a lock left by a killed run is simply taken over."""
-
-    def __init__(self, run: RunDir):
-        self.path = run.lock
-        self.handle = None
-
-    def __enter__(self) -> "RunLock":
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.handle = open(self.path, "a+")
-        try:
-            fcntl.flock(self.handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as err:
-            self.handle.seek(0)
-            holder = self.handle.read().strip() or "another process"
-            self.handle.close()
-            raise PipelineError(f"{self.path.parent} is in use by a live run ({holder}).",
-                                "wait for it to finish or stop it; two runs in one directory corrupt each other.") from err
-        self.handle.seek(0)
-        self.handle.truncate()
-        self.handle.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
-        self.handle.flush()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.handle.close()
 
 
 def run(args: argparse.Namespace):
@@ -133,6 +103,8 @@ def launch(spec: RunSpec, fresh: bool = False) -> RunSpec:
         else:
             continuation.check_continues(run_dir, spec)
             continuation.remove_incomplete_steps(run_dir)
+        run_dir.check_resume()  # the ranks check it too (launch files start them without this stage)
+        diskspace.check_room_for_a_save(spec)
         spec.save()
         print(memory_line(spec), flush=True)
         _warn_if_short_of_memory(spec)
@@ -143,7 +115,7 @@ def launch(spec: RunSpec, fresh: bool = False) -> RunSpec:
                LAUNCHED_AT: repr(time.time())}
         code, stderr_tail = _run_teeing_stderr(command, env)
     if code != 0:
-        raise PipelineError(*_failure(code, stderr_tail, run_dir, _oom_kills() - oom_kills))
+        raise PipelineError(*_failure(code, stderr_tail, run_dir, _oom_kills() - oom_kills, spec))
     return spec
 
 
@@ -216,10 +188,16 @@ def root_cause(stderr_lines: list[str]) -> tuple[int, int] | None:
     return (int(rank.group(1)), int(code.group(1))) if rank and code else None
 
 
-def _failure(code: int, stderr_lines: list[str], run: RunDir, oom_kills: int) -> tuple[str, str]:
+def _failure(code: int, stderr_lines: list[str], run: RunDir, oom_kills: int, spec=None) -> tuple[str, str]:
     recorded = run.recorded_failure()
     if recorded:  # a rank stopped on a one-line error of its own
         return recorded["problem"], recorded["fix"]
+    if spec is not None and diskspace.disk_is_full(spec):  # even failure.json could not be written
+        return (f"training exited with status {code} and the disk holding {run.path} is full "
+                f"({diskspace.free_bytes(run.path) / diskspace.GIB:.2f} GiB free, less than one checkpoint save): a "
+                f"save most likely failed with \"No space left on device\" (cut from the rank logs in {run.logs}, "
+                "on that disk).", "free space there (or set PIPELINE_CHECKPOINTS to a larger disk), then rerun the "
+                "same command: it resumes from the last complete checkpoint.")
     if code < 0:
         return f"torchrun was killed by {signal.Signals(-code).name}; logs are in {run.logs}.", \
             "rerun the same command to resume from the last checkpoint."

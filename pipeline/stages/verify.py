@@ -117,6 +117,9 @@ def run(args: argparse.Namespace) -> Verification:
                                 f"{f'RUN_NAME={args.name}' if args.name else f'TRAIN_PATH={args.path}'}` first.")
     elif args.checkpoint and args.reference:
         checkpoint, reference = args.checkpoint, args.reference
+        if not Path(checkpoint).is_dir():  # nothing to verify: no verify.json is written beside it
+            raise PipelineError(f"CHECKPOINT {checkpoint} is not a directory.",
+                                "give the HF checkpoint directory to verify (an export, e.g. <run dir>/export).")
         parent = RunDir(Path(checkpoint).parent)
         run_dir = parent if parent.exists() else None
     else:

@@ -176,6 +176,10 @@ class WeightsCheckpointManager(compat.checkpoint_manager_base()):
 
     def after_save(self, step: int, last_step: bool) -> None:
         dcp_s = time.perf_counter() - self._save_started
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            # DCP's rank 0 wrote .metadata: its digest is what a resume checks before unpickling it
+            # (first, so a kill right after the save leaves the step resumable)
+            RunDir(Path(self.step_folder(step)).parent.parent).record_dcp_digest(step)
         weights_s = None
         if last_step:
             started = time.perf_counter()
@@ -346,6 +350,8 @@ class PipelineTrainer(Trainer):
             yield input_dict, labels
 
     def train(self):
+        # Before torchtitan's checkpointer unpickles the resume step's .metadata: is it ours?
+        RunDir(Path(self.config.dump_folder)).check_resume()
         self._truncate_metrics_after_checkpoint()
         result = super().train()
         # torchtitan saves only after a step (enable_first_step_checkpoint means after step 1),

@@ -30,6 +30,9 @@ EVAL_NAME = "pipeline_eval"  # the held-out file's (eval_file)
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 LINES_CHECKED = 5
 TEXT_BYTES_CHECKED = 1 << 16
+# How far the check reads for its first lines: a "line" longer than this is no training document
+# (and a file without newlines is not read to its end).
+LINE_BYTES_CHECKED = 16 << 20
 
 
 CHAT = "chat"
@@ -85,6 +88,9 @@ def check_file(path: Path) -> str:
     if path.suffix not in FILE_FORMATS:
         raise PipelineError(f"{where} has suffix {path.suffix!r}; only {', '.join(FILE_FORMATS)} are read.",
                             "convert it to JSON lines with a \"text\" field, or to plain text.")
+    if path.exists() and not path.is_file():  # a device (/dev/zero never ends), a FIFO, a socket
+        raise PipelineError(f"{where} is not a regular file{f' (it links to {path.resolve()})' if path.is_symlink() else ''}.",
+                            "give a .jsonl or .txt file.")
     try:
         with open(path, "rb") as handle:
             head = handle.read(TEXT_BYTES_CHECKED)
@@ -174,6 +180,40 @@ def check_readable(source: DataSource) -> None:
                             "or give DATASET=<file>.") from err
 
 
+def check_documents(source: DataSource, data_ranks: int) -> None:
+    """A file must give every data-parallel rank at least one document: torchtitan splits the
+    documents between them, and a rank left without any fails inside its loader (IndexError)."""
+    if source.kind != "file" or not Path(source.file).is_file():
+        return  # streamed and torchtitan datasets are large; a dry run before `make data` has no file yet
+    found = count_documents(Path(source.file), data_ranks)
+    if found < data_ranks:
+        raise PipelineError(f"DATASET file {source.file} holds {found} document(s), fewer than the {data_ranks} "
+                            "data-parallel ranks that split it.",
+                            f"give a file with at least {data_ranks} documents, or fewer ranks (NPROC).")
+
+
+def count_documents(path: Path, enough: int) -> int:
+    """Documents in a .jsonl (non-empty lines) or .txt file (blank-line separated paragraphs), counted
+    only up to `enough`: the file is read no further than that."""
+    paragraphs = FILE_FORMATS[path.suffix] == "text"
+    count, in_document, line_start = 0, False, True
+    with open(path, "rb") as handle:
+        while line := handle.readline(1 << 20):  # a bounded piece of a line: a huge one is not held whole
+            starts, line_start = line_start, line.endswith(b"\n")
+            if not starts:
+                continue
+            blank = not line.strip()
+            if paragraphs:
+                if not blank and not in_document:
+                    count += 1
+                in_document = not blank
+            elif not blank:
+                count += 1
+            if count >= enough:
+                break
+    return count
+
+
 def _first_lines(handle, head: bytes) -> list[tuple[int, str]]:
     """The first LINES_CHECKED non-empty complete lines as (number, text), reading past `head` only
     as far as needed to complete them."""
@@ -185,6 +225,10 @@ def _first_lines(handle, head: bytes) -> list[tuple[int, str]]:
         lines = [(number, line) for number, line in enumerate(complete, 1) if line.strip()]
         if len(lines) >= LINES_CHECKED or at_end:
             return [(number, line.decode("utf-8", errors="replace")) for number, line in lines[:LINES_CHECKED]]
+        if len(data) > LINE_BYTES_CHECKED:
+            raise PipelineError(f"DATASET file {handle.name}: its first {LINES_CHECKED} lines take more than "
+                                f"{LINE_BYTES_CHECKED >> 20} MiB; JSON lines hold one document per line.",
+                                "write one JSON object per line, e.g. {\"text\": \"…\"}.")
         more = handle.read(TEXT_BYTES_CHECKED)
         at_end = not more
         data += more

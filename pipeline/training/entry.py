@@ -10,6 +10,7 @@ dir (failure.json), which the launcher reports as its own.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -18,7 +19,7 @@ from pathlib import Path
 ENTERED = time.time()
 
 from pipeline.errors import PipelineError
-from pipeline.run import rundir
+from pipeline.run import diskspace, rundir
 from pipeline.run.spec import RunSpec
 from pipeline.titan import api, compat
 from pipeline.training import chat, dataset
@@ -190,6 +191,18 @@ def main(argv: list[str] | None = None) -> None:
         rundir.RunDir(Path(spec.run_dir)).record_failure(rank, err.problem, err.fix or "")
         print(f"error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except BaseException as err:  # DCP's CheckpointException is a BaseException
+        full = diskspace.full_disk_error(err)
+        if full is None:
+            raise
+        problem, fix = diskspace.full_disk_failure(full, Path(spec.run_dir))
+        # failure.json is a few bytes, and the rank's stderr (torchrun's --tee log) is on that disk too:
+        # either may fail now; the launcher then names the full disk itself (stages.train._failure).
+        with contextlib.suppress(OSError):
+            rundir.RunDir(Path(spec.run_dir)).record_failure(rank, problem, fix)
+        with contextlib.suppress(OSError):
+            print(f"error: {problem} Fix: {fix}", file=sys.stderr, flush=True)
+        os._exit(2)  # an exit flushing a stream on the full disk would fail again
     _exit_skipping_teardown()
 
 

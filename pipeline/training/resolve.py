@@ -73,6 +73,8 @@ def resolve(request: RunRequest) -> RunSpec:
     if spec.titan_args:
         check_titan_args(spec)
     check_parallelism(spec)
+    check_positions(spec)
+    dataset.check_documents(data, cfg.world_size // cfg.tensor_parallel)
     check_device_choices(spec)
     check_wandb(spec)
     check_lora(spec)
@@ -151,6 +153,14 @@ def check_wandb(spec: RunSpec) -> None:
     if spec.settings.wandb and importlib.util.find_spec("wandb") is None:
         raise PipelineError("wandb = true but the wandb package is not installed.",
                             "pip install wandb (or set wandb = false).")
+
+
+def check_positions(spec: RunSpec) -> None:
+    """RoPE and the model are built for max_position_embeddings: a longer sequence is not this model."""
+    seq_len, limit = spec.settings.seq_len, spec.arch.max_position_embeddings
+    if seq_len > limit:
+        raise PipelineError(f"SEQ_LEN={seq_len} is beyond the model's max_position_embeddings ({limit}, its "
+                            "config.json).", f"give SEQ_LEN ≤ {limit}.")
 
 
 def check_device_choices(spec: RunSpec) -> None:
