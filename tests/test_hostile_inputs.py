@@ -177,11 +177,15 @@ def test_every_value_reaches_the_stage_as_one_word():
 
 # ---- 2. launch files quote what the user gave -------------------------------------------------------
 
+# Cluster launch files pull a pushed image by digest (a local tag is refused: `make push` first).
+PUSHED = "registry.example/qwen3@sha256:" + "0" * 64
+
+
 def test_launch_paths_with_commands_stay_paths(world, tmp_path):
     run_dir = f"/fsx/$(touch {world.canary})/run`touch {world.canary}`"
     out = world.root / "tiny" / "launch" / "out $(touch x)"
     result = cli("launch", "--scheduler", "slurm", "--nodes", "2", "--model", "tiny", "--target", "cpu",
-                 "--run-dir", run_dir, "--output", str(out), root=world.root)
+                 "--run-dir", run_dir, "--output", str(out), "--image", PUSHED, root=world.root)
     assert result.returncode == 0, result.stderr
     text = (out / "train.sbatch").read_text()
     heredoc = text[text.index("NODE_CMD="):text.index("srun ")]
@@ -197,7 +201,7 @@ def test_launch_paths_with_commands_stay_paths(world, tmp_path):
     assert str(out / "run.json") in words
     eks = world.root / "tiny" / "launch" / "eks"
     assert cli("launch", "--scheduler", "eks", "--nodes", "2", "--model", "tiny", "--target", "cpu",
-               "--run-dir", run_dir, "--output", str(eks), root=world.root).returncode == 0
+               "--run-dir", run_dir, "--output", str(eks), "--image", PUSHED, root=world.root).returncode == 0
     import yaml
 
     job = list(yaml.safe_load_all((eks / "job.yaml").read_text()))[2]
