@@ -9,7 +9,8 @@
   plan/rank*.json        what each rank ran (parallel layout, step 1), when the run records it (rehearse)
   failure.json           a rank's one-line error (PipelineError), read back by the launcher
   memory.json            each rank's peak memory against the estimate (pipeline.training.memory)
-  reference_loss.json    verify's plain-transformers loss of the source on the first batch (kept)
+  ../.reference_loss.json   verify's plain-transformers loss of the source per distinct first batch,
+                         beside the runs of every path of the model (runs/), so each is computed once
   saves.jsonl            one line per checkpoint save: seconds and bytes of DCP and of the weights copy
 """
 
@@ -40,7 +41,7 @@ LOCK = ".lock"
 PLAN = "plan"
 FAILURE = "failure.json"
 MEMORY = "memory.json"
-REFERENCE_LOSS = "reference_loss.json"
+SHARED_REFERENCE_LOSS = ".reference_loss.json"  # in runs/, shared by the model's runs
 SAVES = "saves.jsonl"
 
 
@@ -105,8 +106,8 @@ class RunDir:
         return self.path / SAVES
 
     @property
-    def reference_loss(self) -> Path:
-        return self.path / REFERENCE_LOSS
+    def shared_reference_loss(self) -> Path:
+        return self.path.parent / SHARED_REFERENCE_LOSS
 
     @property
     def memory(self) -> Path:

@@ -26,6 +26,9 @@ CHOICES = {
     # torchtitan Qwen3's attention (pipeline/models/attention_backends.py): flex needs Inductor
     # (CPU, CUDA); document_sdpa does not (neuron).
     "attention_backend": ("flex", "document_sdpa"),
+    # The tokenizer the data is encoded with (pipeline/training/tokenizer.py): the source
+    # checkpoint's own, or torchtitan's test tokenizer (AWS's smoke run; configs/models.toml).
+    "tokenizer": ("model", "titan-test"),
 }
 
 
@@ -51,6 +54,7 @@ class TrainSettings:
     checkpoint_interval: int = 5
     keep_latest_k: int = 2
     dataset: str = "local"
+    tokenizer: str = "model"
     tensorboard: bool = True
     lnc: int = 1
     constraint_policy: str = "error"

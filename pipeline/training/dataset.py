@@ -31,7 +31,7 @@ TEXT_BYTES_CHECKED = 1 << 16
 class DataSource:
     kind: str  # file | hub | titan
     dataset: str  # DATASET as given
-    file: str | None = None  # kind file: the absolute path read
+    file: str | None = None  # the absolute path read: kind file, and titan's test asset c4_test
 
     @property
     def loader_name(self) -> str:
@@ -50,8 +50,7 @@ def resolve(dataset: str, local_file: Path, check_local: bool = True, model: str
             check_file(Path(local_file))
         return DataSource("file", dataset, str(local_file))
     if dataset in TITAN_DATASETS:
-        _check_titan_dataset(dataset)
-        return DataSource("titan", dataset)
+        return DataSource("titan", dataset, _check_titan_dataset(dataset))
     path = Path(dataset).expanduser()
     if path.suffix in FILE_FORMATS or path.exists() or dataset.startswith(("/", ".", "~")):
         check_file(path)
@@ -117,23 +116,34 @@ def _first_lines(handle, head: bytes) -> list[tuple[int, str]]:
         data += more
 
 
-def _check_titan_dataset(name: str) -> None:
+def _check_titan_dataset(name: str) -> str | None:
+    """None for a Hub dataset; for c4_test the absolute path of torchtitan's test asset."""
+    from pipeline.training import titan_assets
+
     path = TITAN_DATASETS[name]
     # c4_test reads a path relative to the working directory (a torchtitan source checkout's
     # tests/assets), which the wheel does not ship; the others are Hub datasets.
-    if not HUB_ID.fullmatch(path) and not Path(path).exists():
+    if HUB_ID.fullmatch(path):
+        return None
+    found = titan_assets.find(path)
+    if found is None:
         raise PipelineError(f"DATASET={name} reads {path} relative to the working directory (a torchtitan "
-                            f"source checkout), and {Path(path).resolve()} does not exist.",
-                            "run from a torchtitan checkout, or give DATASET=<file>.")
+                            f"source checkout), and neither {Path(path).resolve()} nor the installed torchtitan's "
+                            "checkout has it.", "run from a torchtitan checkout, or give DATASET=<file>.")
+    return str(found)
 
 
 def register(source: DataSource) -> str:
     """In a rank: add a file or Hub dataset to torchtitan's registry; returns the loader's name."""
-    if source.kind == "titan":
-        return source.loader_name
     from datasets import load_dataset
     from torchtitan.hf_datasets import DatasetConfig
     from torchtitan.hf_datasets.text_datasets import DATASETS
+
+    if source.kind == "titan":
+        if source.file:  # a test asset found by absolute path, whatever the rank's working directory
+            DATASETS[source.loader_name] = DatasetConfig(path=source.file, loader=DATASETS[source.loader_name].loader,
+                                                         sample_processor=DATASETS[source.loader_name].sample_processor)
+        return source.loader_name
 
     if source.kind == "file":
         if FILE_FORMATS[Path(source.file).suffix] == "json":
