@@ -192,7 +192,7 @@ def _run_4b(tmp_path: Path, **settings) -> RunDir:
 
 def _expectation_of(run: RunDir, measured: float, tmp_path: Path, capsys) -> tuple[Verification, str]:
     result = Verification(tmp_path / "export", tmp_path / "source", run, tmp_path / "v.json")
-    verify_stage._check_expectation(result, measured)
+    verify_stage._check_expectation(result, verify_stage.Batch([], "this run's first batch", measured, run))
     return result, capsys.readouterr().out
 
 
@@ -206,6 +206,15 @@ def test_a_run_on_other_data_is_not_comparable_with_6_54(tmp_path, capsys):
     assert "step1-loss-expected: not comparable" in out and "dataset 'c4' ≠ 'c4_test'" in out
     assert "tokenizer 'model' ≠ 'titan-test'" in out and "unknown at the source, not compared: seq_len" in out
     assert result.to_dict()["step1_expectation"]["conditions"]["seq_len"]["basis"] == "unknown"
+
+
+def test_a_loss_on_no_recorded_batch_is_not_comparable(tmp_path, capsys):
+    """STEPS=0 and no sibling: the source's loss on a corpus document is not the logged step-1 loss."""
+    run = _run_4b(tmp_path, dataset="c4_test", tokenizer="titan-test")
+    result = Verification(tmp_path / "export", tmp_path / "source", run, tmp_path / "v.json")
+    verify_stage._check_expectation(result, verify_stage.Batch([], "first held-out corpus document", None))
+    assert result.checks == [] and result.expectation["comparable"] is False
+    assert "none was logged with first held-out corpus document" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("measured,passed", [(6.50, True), (2.9, False)])

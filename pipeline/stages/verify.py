@@ -65,6 +65,7 @@ class Batch:
     tensors: list[dict]
     origin: str
     logged: float | None
+    run: RunDir | None = None  # the run that recorded it (and logged `logged`)
 
 
 @dataclass
@@ -341,7 +342,7 @@ def find_batch(run_dir: RunDir | None, reference: Path) -> Batch:
         if Path(candidate.spec().source_dir).resolve() != Path(reference).resolve():
             continue
         origin = "this run's first batch" if candidate == run_dir else f"first batch of sibling run {candidate.name}"
-        return Batch(candidate.first_batches(), origin, candidate.step1_loss())
+        return Batch(candidate.first_batches(), origin, candidate.step1_loss(), candidate)
     return Batch([_corpus_batch(reference)], "first held-out corpus document (no recorded first batch)", None)
 
 
@@ -367,21 +368,22 @@ def model_id(run_dir: RunDir | None, reference: Path) -> str | None:
     return None
 
 
-def _check_expectation(result: Verification, measured: float) -> None:
-    """The model's expected step-1 loss (configs/models.toml), compared only with a run made under
-    the conditions it was measured under; otherwise recorded as not comparable, naming why."""
+def _check_expectation(result: Verification, batch: Batch) -> None:
+    """The model's expected step-1 loss (configs/models.toml), compared only with a logged step-1
+    loss of a run made under the conditions it was measured under; otherwise recorded as not
+    comparable, naming why."""
     from pipeline.run import expectation
 
     expected = expectation.load(model_id(result.run_dir, result.reference))
     if expected is None:
         return
-    record = {**expected.to_dict(), "measured": measured, "comparable": False, "differing": {}}
+    record = {**expected.to_dict(), "measured": batch.logged, "comparable": False, "differing": {}}
     result.expectation = record
-    if result.run_dir is None or not result.run_dir.exists():
-        print(f"  step1-loss-expected: not comparable  {expected.model}'s {expected.loss} needs a run's settings "
-              "to compare (no run.json)", flush=True)
+    if batch.logged is None or batch.run is None:
+        print(f"  step1-loss-expected: not comparable  {expected.model}'s {expected.loss} is a logged step-1 loss, "
+              f"and none was logged with {batch.origin}", flush=True)
         return
-    comparison = expected.compare(result.run_dir.spec().settings)
+    comparison = expected.compare(batch.run.spec().settings)
     record["differing"] = {k: {"run": run, "expected": want} for k, (run, want) in comparison.differing.items()}
     caveats = "; ".join(filter(None, [
         f"unknown at the source, not compared: {', '.join(comparison.unknown)}" if comparison.unknown else "",
@@ -392,9 +394,9 @@ def _check_expectation(result: Verification, measured: float) -> None:
               f"settings: {differing} ({caveats}; configs/models.toml)", flush=True)
         return
     record["comparable"] = True
-    diff = abs(measured - expected.loss)
+    diff = abs(batch.logged - expected.loss)
     result.add("step1-loss-expected", diff <= expected.tolerance,
-               f"{expected.model}: step-1 loss {measured:.4f} vs expected {expected.loss} ± {expected.tolerance} "
+               f"{expected.model}: logged step-1 loss {batch.logged:.4f} of run {batch.run.name} vs expected {expected.loss} ± {expected.tolerance} "
                f"under the same settings ({caveats}; configs/models.toml)")
 
 
@@ -419,7 +421,7 @@ def _check_losses(result: Verification, step: int | None, tensors, model, identi
         result.add("step1-loss-source", diff <= tol,
                    f"source (plain transformers, {origin}) {reference_loss:.6f} vs logged step-1 {batch.logged:.6f} on "
                    f"{where}: |diff| {diff:.2e} ≤ {tol:g}")
-    _check_expectation(result, batch.logged if batch.logged is not None else reference_loss)
+    _check_expectation(result, batch)
     export_dtype = next(iter({t.dtype for t in tensors.values()}))
     tol = EXPORT_LOSS_TOLERANCE["float32" if export_dtype == "F32" else "bfloat16"]
     if step == 0 or step is None:
