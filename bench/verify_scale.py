@@ -49,7 +49,12 @@ def make_run(root: Path, source: Path, path: str, distinct: int, copies: int, se
     model_spec = registry.get(spec.path).build(spec)
     titan = model_spec.state_dict_adapter(model_spec.model, None).from_hf({k: v.float() for k, v in hf.items()})
     del hf
-    for key in titan:
+    seen = set()
+    for key in list(titan):  # a tied lm_head is the embedding: the run writes it once (trainer._aliases)
+        if titan[key].data_ptr() in seen:
+            del titan[key]
+            continue
+        seen.add(titan[key].data_ptr())
         if key.endswith("norm.weight"):
             titan[key] = titan[key] * 1.01
     step_dir = run.step_dir(step)
@@ -72,7 +77,7 @@ def make_run(root: Path, source: Path, path: str, distinct: int, copies: int, se
         for i in range(seq_len):  # documents restart their positions after each eos
             positions[i] = at
             at = 0 if row[i].item() == (tokenizer.eos_token_id or 0) else at + 1
-        batch = {"input": row[:-1].unsqueeze(0), "labels": row[1:].unsqueeze(0), "positions": positions.unsqueeze(0)}
+        batch = {"input": row[:-1].clone().unsqueeze(0), "labels": row[1:].clone().unsqueeze(0), "positions": positions.unsqueeze(0)}
         for c in range(copies):
             save_file(batch, str(run.first_batch / f"rank{d * copies + c}.safetensors"))
     (run.path / "metrics.jsonl").write_text("")  # no logged loss: verify compares export and source
