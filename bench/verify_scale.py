@@ -91,7 +91,7 @@ def main() -> None:
     import transformers
 
     from pipeline.checkpoint import embedded, reference_loss
-    from pipeline.checkpoint.arch import load_arch
+    from pipeline.checkpoint.arch import arch_from_config, load_arch
     from pipeline.run import store
     from pipeline.stages import download
     from pipeline.stages import export as export_stage
@@ -117,22 +117,28 @@ def main() -> None:
             forward["calls"] += 1
 
     reference_loss.loss_terms = timed
-    out = {"distinct": distinct, "copies": copies, "seq_len": seq_len}
+    import torch
+
+    out = {"distinct": distinct, "copies": copies, "seq_len": seq_len, "torch_threads": torch.get_num_threads(),
+           "load_average_at_start": os.getloadavg()}
     for label, path in (("first_path", "native"), ("second_path", "hf")):
         run, spec = make_run(root, source, path, distinct, copies, seq_len)
         target = export_stage.export(export_stage.ExportConfig(run, dtype="bfloat16"))
         forward.update(s=0.0, calls=0)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         result = verify_stage.verify(target, Path(spec.source_dir), run, run.verify)
         wall = time.perf_counter() - start
-        out[label] = {"verify_s": wall, "loss_forward_s": forward["s"], "loss_forward_calls": forward["calls"],
+        # CPU seconds of every thread: on a machine shared with others, the work itself.
+        out[label] = {"verify_s": wall, "verify_cpu_s": time.process_time() - cpu,
+                      "loss_forward_s": forward["s"], "loss_forward_calls": forward["calls"],
                       "passed": result.passed, "failed": [c.name for c in result.checks if not c.passed],
                       "source_loss": next(c.detail for c in result.checks if c.name == "step1-loss-export")[-160:]}
+        print(json.dumps({label: out[label]}), file=sys.stderr, flush=True)  # kept even if a later part fails
     # Projection to Qwen3-4B on trn2 (64 files, 16 distinct, seq_len 4096): the forwards scale with
     # tokens × forward FLOP per token (a third of Qwen3Arch.flops_per_token, a training step's count),
     # the rest (hashing, comparing, loading) with the checkpoint's bytes.
     small = load_arch(source)
-    big = load_arch(REPO / "configs" / "hub_configs" / "Qwen3-4B-Instruct-2507.json")
+    big = arch_from_config(json.loads((REPO / "configs" / "hub_configs" / "Qwen3-4B-Instruct-2507.json").read_text()))
     tokens_small, tokens_big = distinct * seq_len, 16 * 4096
     flop_ratio = (big.flops_per_token(4096) * tokens_big) / (small.flops_per_token(seq_len) * tokens_small)
     byte_ratio = big.num_params() / small.num_params()
