@@ -141,7 +141,7 @@ def main() -> None:
     big = arch_from_config(json.loads((REPO / "configs" / "hub_configs" / "Qwen3-4B-Instruct-2507.json").read_text()))
     tokens_small, tokens_big = distinct * seq_len, 16 * 4096
     flop_ratio = (big.flops_per_token(4096) * tokens_big) / (small.flops_per_token(seq_len) * tokens_small)
-    byte_ratio = big.num_params() / small.num_params()
+    byte_ratio = big.num_params / small.num_params
     first = out["first_path"]
     rest = first["verify_s"] - first["loss_forward_s"]
     per_model_forward = first["loss_forward_s"] / 2  # export and source
