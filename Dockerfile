@@ -4,13 +4,13 @@
 # wheelhouse, running as a non-root user. Built by `make image` (pipeline/stages/image.py), which makes the wheelhouse inside the base
 # image and adds it to the build context as wheels/.
 #
-# BASE_IMAGE pin: repository and tag follow AWS's Neuron DLC naming for SDK 2.33
-# (awsdocs-neuron v2.33.0 setup/pytorch/dlc and update-dlc pages; aws-neuron/deep-learning-containers:
-# "PyTorch Training (TorchNeuron)", tags ending -neuronx-py314-sdk2.33.0-ubuntu26.04). The exact
-# tag and its sha256 digest could not be read from the registry on the machine that wrote this (no
-# network), so no digest is given: pin it on first pull with
-#   docker pull public.ecr.aws/neuron/pytorch-training-neuronx:<tag> && docker inspect --format '{{index .RepoDigests 0}}'
-# and pass BASE_IMAGE=<repo>@sha256:<digest>. Tests build with a locally made BASE_IMAGE instead.
+# BASE_IMAGE: UNCONFIRMED. The tag follows AWS's Neuron DLC naming for SDK 2.33 (tags ending
+# -neuronx-py314-sdk2.33.0-ubuntu26.04, awsdocs-neuron v2.33.0 setup/pytorch/dlc), but the repository
+# `pytorch-training-neuronx` was last published at 2.31 and the 2.33 "PyTorch Training (TorchNeuron)"
+# DLC's repository name is in no source read where this was written (docs/trn2.md). So `make image`
+# inspects or pulls the base before anything else and stops in one line, saying how to look the name
+# up, when it does not exist; the digest it resolved to is recorded below (org.opencontainers.image.base.digest).
+# Pin it once found: BASE_IMAGE=<repository>@sha256:<digest>. Tests build on locally made bases.
 ARG BASE_IMAGE=public.ecr.aws/neuron/pytorch-training-neuronx:2.14.0-neuronx-py314-sdk2.33.0-ubuntu26.04
 
 FROM ${BASE_IMAGE} AS install
@@ -32,11 +32,17 @@ RUN ${PYTHON} -m venv /opt/pipeline-venv \
 # A second stage so the wheelhouse never becomes a layer of the final image.
 FROM ${BASE_IMAGE}
 ARG BASE_IMAGE
+# What BASE_IMAGE resolved to when `make image` inspected it (pipeline/stages/image.py): the registry's
+# manifest digest when the base was pulled, the local image id otherwise.
+ARG BASE_DIGEST=unknown
+ARG BASE_IMAGE_ID=unknown
 ARG LOCK_SHA256=unknown
 ARG PIPELINE_UID=1000
 LABEL org.opencontainers.image.title="qwen3-pipeline" \
       org.opencontainers.image.description="Qwen3 training with torchtitan on trn2 (python -m pipeline)" \
       org.opencontainers.image.base.name="${BASE_IMAGE}" \
+      org.opencontainers.image.base.digest="${BASE_DIGEST}" \
+      pipeline.base.id="${BASE_IMAGE_ID}" \
       pipeline.lock.sha256="${LOCK_SHA256}" \
       pipeline.neuron.sdk="2.33" \
       pipeline.torch="2.14"
@@ -46,9 +52,15 @@ COPY --from=install /opt/pipeline-venv /opt/pipeline-venv
 COPY --from=install /opt/pipeline-record/ /opt/pipeline/record/
 # /checkpoints, /hf-cache and TorchNeuron's NEFF cache (TORCH_NEURONX_NEFF_CACHE_DIR, torch/reference/env-vars)
 # are bind mounts at run time; they exist (and belong to the user) so a run without a mount still works.
-RUN useradd --create-home --uid "${PIPELINE_UID}" --shell /bin/sh pipeline \
-    && mkdir -p /checkpoints /hf-cache /var/tmp/neuron-compile-cache \
-    && chown pipeline:pipeline /checkpoints /hf-cache /var/tmp/neuron-compile-cache \
+# Ubuntu 23.04 and later (the DLCs are built FROM Ubuntu 24.04/26.04) already have user `ubuntu` at UID
+# 1000, where `useradd --uid 1000` fails: the UID's existing user is the image's user, and `pipeline` is
+# created only when no user has that UID. Ownership is by number, so either works.
+RUN if ! id -u "${PIPELINE_UID}" >/dev/null 2>&1; then \
+        useradd --create-home --uid "${PIPELINE_UID}" --user-group --shell /bin/sh pipeline; \
+    fi \
+    && gid="$(id -g "${PIPELINE_UID}")" \
+    && mkdir -p /home/pipeline /checkpoints /hf-cache /var/tmp/neuron-compile-cache \
+    && chown "${PIPELINE_UID}:${gid}" /home/pipeline /checkpoints /hf-cache /var/tmp/neuron-compile-cache \
     && chmod 1777 /home/pipeline
 COPY docker/entrypoint.sh /usr/local/bin/pipeline-entrypoint
 COPY Makefile requirements.lock requirements-dev.lock /opt/pipeline/

@@ -42,18 +42,36 @@ NODES|2|launch-slurm / launch-eks: number of trn2 nodes; rehearse: CPU "nodes" o
 IN_CONTAINER|$(IN_CONTAINER)|1: run stages inside the pipeline image (default 1 on a Neuron host whose venv lacks torch-neuronx)
 IMAGE|lock tag|the image IN_CONTAINER uses
 BASE_IMAGE|Neuron 2.33 DLC|the image `make image` builds on
+RUNTIME|pyxis|launch-slurm: pyxis (the pushed image through enroot) or venv (VENV on the shared filesystem)
+CLUSTER_CHECKPOINTS|/fsx/checkpoints (eks: /checkpoints)|launch-*: the shared checkpoints root as the nodes see it
+PARTITION||launch-slurm: sbatch --partition
+ACCOUNT||launch-slurm: sbatch --account
+TIME_LIMIT||launch-slurm: sbatch --time (e.g. 04:00:00)
+JOB_NAME|qwen3-<model>-<path>|launch-*: the job's name
+PVC|fsx-claim|launch-eks: the PersistentVolumeClaim of the shared checkpoints
+NAMESPACE|default|launch-eks: the namespace
+LAUNCH_DIR|checkpoints/<key>/launch/<scheduler>-<NODES>|launch-*: where the files are written
+REGISTRY||push: registry/repository to push the image to (e.g. <account>.dkr.ecr.<region>.amazonaws.com/qwen3)
 BENCH_REPEATS|2|bench: repeats per measurement
 BENCH_ONLY|all|bench: comma-separated sections
 PYTHON|$(PYTHON)|the Python that builds .venv (3.11 or newer)
 VENV|$(VENV)|the virtual environment
+TITAN_MAIN_WHEEL|$(TITAN_MAIN_WHEEL)|test-titan-main: the upstream torchtitan main wheel (../shared/wheels)
 endef
 export VARIABLES
+# Variables of other tools that users set on the command line too: passed through to the stages (and
+# by launch-* into the launch files), never refused. HF_TOKEN is a secret: from the environment only.
+EXTERNAL_VARS := HF_HOME HF_HUB_CACHE HF_HUB_OFFLINE HF_ENDPOINT PIPELINE_CHECKPOINTS DOCKER_HOST
 KNOWN_VARS := $(foreach line,$(subst $(newline),$(space),$(subst $(space),~,$(VARIABLES))),$(firstword $(subst |, ,$(line))))
 BOOL_VARS := DRY_RUN FRESH FORCE IN_CONTAINER
 
 # A misspelled command-line variable (STEP=5) would be silently ignored: refuse it, naming the closest.
 CLI_VARS := $(foreach v,$(.VARIABLES),$(if $(filter command line,$(origin $(v))),$(v)))
-UNKNOWN_VARS := $(filter-out $(KNOWN_VARS) MAKEFLAGS MFLAGS,$(CLI_VARS))
+UNKNOWN_VARS := $(filter-out $(KNOWN_VARS) $(EXTERNAL_VARS) MAKEFLAGS MFLAGS,$(CLI_VARS))
+ifneq ($(filter HF_TOKEN,$(CLI_VARS)),)
+$(error HF_TOKEN on the command line is kept in shell history and shown by ps. Fix: export HF_TOKEN in the environment (or `huggingface-cli login`) instead)
+endif
+export $(EXTERNAL_VARS)
 ifneq ($(UNKNOWN_VARS),)
 $(error $(shell $(PYTHON) -c 'import difflib,sys; known=sys.argv[1].split(); print("; ".join(f"unknown variable {u}" + ("".join(f" (did you mean {m}?)" for m in difflib.get_close_matches(u.upper(), known, 1, 0.5))) for u in sys.argv[2:]))' '$(KNOWN_VARS)' $(UNKNOWN_VARS)). Fix: see `make help` for the variables)
 endif
@@ -62,6 +80,10 @@ $(foreach v,$(BOOL_VARS),$(if $(filter-out 1 0 true false yes no,$($(v))),$(erro
 on = $(filter 1 true yes,$($(1)))
 
 PY := $(VENV)/bin/python
+TITAN_MAIN_WHEEL ?= ../shared/wheels/torchtitan-main-2026-08-21/torchtitan-0.2.2-py3-none-any.whl
+# The upstream-main tier's venv: the dev venv's packages beneath it (a .pth line), with torchtitan main
+# and Grain installed in it, which come first on sys.path: no second 6 GB venv.
+TITAN_MAIN_VENV := .venv-titan-main
 # Where the stages keep models and runs (the stages read PIPELINE_CHECKPOINTS too); clean/distclean act there.
 CHECKPOINTS := $(or $(PIPELINE_CHECKPOINTS),checkpoints)
 TRAIN_FLAGS = --model $(MODEL) $(if $(TARGET),--target $(TARGET)) $(if $(STEPS),--steps $(STEPS)) \
@@ -78,7 +100,8 @@ TRAIN_DEPS := $(if $(call on,DRY_RUN),,download data)
 EMBEDDED_MODELS := tiny tiny-moe
 
 .PHONY: help setup python-check download data train-hf train-native train-nki export verify-checkpoint \
-        verify-kernels report image doctor launch-slurm launch-eks rehearse pipeline test test-fast bench clean distclean
+        verify-kernels report image push doctor launch-slurm launch-eks rehearse pipeline test test-fast \
+        setup-titan-main test-titan-main bench clean distclean
 
 help: ## list the targets and variables
 	@echo "targets:"
@@ -136,11 +159,21 @@ doctor: python-check ## what this host has vs what the pipeline needs (works bef
 	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m pipeline doctor --venv $(VENV) $(if $(TARGET),--target $(TARGET)) \
 	  $(if $(call on,IN_CONTAINER),--in-container $(if $(IMAGE),--image $(IMAGE)))
 
-launch-slurm: setup ## render an sbatch script for NODES trn2 nodes
-	$(HOST_PIPE) launch --scheduler slurm --nodes $(or $(NODES),2) --model $(MODEL) --path $(TRAIN_PATH)
+# launch-* take every train-* variable (one resolution: the cluster's run.json is the dry run's) and these.
+LAUNCH_FLAGS = $(if $(IMAGE),--image $(IMAGE)) $(if $(CLUSTER_CHECKPOINTS),--cluster-checkpoints $(CLUSTER_CHECKPOINTS)) \
+               $(if $(JOB_NAME),--job-name $(JOB_NAME)) $(if $(LAUNCH_DIR),--output $(LAUNCH_DIR))
+SLURM_FLAGS = $(if $(RUNTIME),--runtime $(RUNTIME)) $(if $(PARTITION),--partition $(PARTITION)) \
+              $(if $(ACCOUNT),--account $(ACCOUNT)) $(if $(TIME_LIMIT),--time-limit $(TIME_LIMIT))
+EKS_FLAGS = $(if $(PVC),--pvc $(PVC)) $(if $(NAMESPACE),--namespace $(NAMESPACE))
 
-launch-eks: setup ## render Kubernetes manifests for NODES trn2 nodes
-	$(HOST_PIPE) launch --scheduler eks --nodes $(or $(NODES),2) --model $(MODEL) --path $(TRAIN_PATH)
+launch-slurm: setup ## render an sbatch script for NODES trn2 nodes (the train-* variables, IMAGE pushed by digest)
+	$(HOST_PIPE) launch --scheduler slurm --nodes $(or $(NODES),2) --path $(TRAIN_PATH) $(TRAIN_FLAGS) $(LAUNCH_FLAGS) $(SLURM_FLAGS)
+
+launch-eks: setup ## render Kubernetes manifests for NODES trn2 nodes (the train-* variables, IMAGE pushed by digest)
+	$(HOST_PIPE) launch --scheduler eks --nodes $(or $(NODES),2) --path $(TRAIN_PATH) $(TRAIN_FLAGS) $(LAUNCH_FLAGS) $(EKS_FLAGS)
+
+push: setup ## push the built image to REGISTRY (docker credentials), record its digest for launch-*
+	$(HOST_PIPE) push $(if $(REGISTRY),--registry $(REGISTRY)) $(if $(IMAGE),--image $(IMAGE))
 
 rehearse: setup download data ## trn2.toml's parallel plan on CPU ranks (hf, native, nki), export + verify each, and the launch files on NODES "nodes" → checkpoints/<key>/rehearse
 	$(PIPE) rehearse --model $(MODEL) $(if $(STEPS),--steps $(STEPS)) --nodes $(or $(NODES),2)
@@ -155,10 +188,26 @@ pipeline: setup ## the whole pipeline on the embedded defaults (tiny and tiny-mo
 	done
 
 test: setup ## the whole test suite, as CI runs it (CPU only; trains tiny models, rehearses the trn2 plan)
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q --durations=15 -m "not titan_e2e" tests
 
 test-fast: setup ## the fast tier: everything that does not train or build images (about a minute)
 	$(PY) -m pytest -q -m "not slow" tests
+
+setup-titan-main: $(TITAN_MAIN_VENV)/.installed ## the upstream torchtitan main venv of test-titan-main (from TITAN_MAIN_WHEEL)
+$(TITAN_MAIN_VENV)/.installed: requirements-titan-main.lock $(VENV)/.installed
+	@test -f "$(TITAN_MAIN_WHEEL)" || { echo "error: no upstream torchtitan main wheel at $(TITAN_MAIN_WHEEL). Fix: pass TITAN_MAIN_WHEEL=<the wheel from ../shared/wheels>."; exit 2; }
+	@sums="$$(dirname "$$(dirname "$(TITAN_MAIN_WHEEL)")")/SHA256SUMS"; if [ -f "$$sums" ]; then \
+	  (cd "$$(dirname "$$sums")" && grep " $$(basename "$$(dirname "$(TITAN_MAIN_WHEEL)")")/$$(basename "$(TITAN_MAIN_WHEEL)")$$" SHA256SUMS | sha256sum -c --quiet -) \
+	  || { echo "error: $(TITAN_MAIN_WHEEL) does not match $$sums. Fix: take the wheel as ../shared/wheels has it."; exit 2; }; fi
+	rm -rf $(TITAN_MAIN_VENV)
+	$(PYTHON) -m venv $(TITAN_MAIN_VENV)
+	$(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' > "$$($(TITAN_MAIN_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz-dev-venv.pth"
+	$(TITAN_MAIN_VENV)/bin/python -m pip install -q --disable-pip-version-check -r requirements-titan-main.lock
+	$(TITAN_MAIN_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps "$(TITAN_MAIN_WHEEL)"
+	touch $@
+
+test-titan-main: setup-titan-main ## the fast tier plus every path's 2-step train → export → verify, on upstream torchtitan main
+	$(TITAN_MAIN_VENV)/bin/python -m pytest -q --durations=5 -m "not slow or titan_e2e" tests
 
 bench: setup ## measure overhead, time to first step, scaling, export/verify, memory → bench/results.json
 	BENCH_REPEATS=$(BENCH_REPEATS) BENCH_ONLY=$(BENCH_ONLY) $(PY) bench/run.py

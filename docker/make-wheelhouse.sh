@@ -10,11 +10,15 @@
 #                             exactly this with --require-hashes --no-deps
 #   image-packages.txt        base + added: every package the image will hold (doctor checks it)
 #   lock.txt                  the lock this was made from
-# Usage: make-wheelhouse.sh PYTHON LOCK [OUT]
+#   refused.txt               only when the base has a package the code depends on (CORE_PACKAGES,
+#                             comma-separated; pipeline/run/image.py names them) outside the lock's pin
+# Usage: CORE_PACKAGES=torch,... make-wheelhouse.sh PYTHON LOCK [OUT]
 set -eu
 python="$1"
 lock="$2"
 out="${3:-/wheels}"
+core="${CORE_PACKAGES:?CORE_PACKAGES must name the packages whose base version is checked against the lock}"
+rm -f "$out/refused.txt"
 here="$(cd "$(dirname "$0")" && pwd)"
 # pip of the base's own Python; a system Python without pip (Debian's) gets a venv that sees its packages.
 if "$python" -m pip --version >/dev/null 2>&1; then
@@ -25,7 +29,7 @@ else
 fi
 cp "$lock" "$out/lock.txt"
 "$pip" -m pip list --disable-pip-version-check --format=json > "$out/base-packages.json"
-"$pip" "$here/wheelhouse.py" plan "$lock" "$out/base-packages.json" "$out"
+"$pip" "$here/wheelhouse.py" plan "$lock" "$out/base-packages.json" "$out" "$core"
 if [ -s "$out/to-fetch.txt" ]; then
   # Resolve what is missing against the installed base (a dry run changes nothing), with the base's
   # versions as constraints: a lock package that needs another version of a base package fails here.

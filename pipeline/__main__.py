@@ -19,6 +19,7 @@ STAGES = {
     "verify-kernels": ("pipeline.stages.verify_kernels", "check every NKI override against its reference"),
     "report": ("pipeline.stages.report", "loss curves and a summary of a model's runs"),
     "image": ("pipeline.stages.image", "build the container image through the Docker SDK"),
+    "push": ("pipeline.stages.push", "push the built image to a registry and record its digest for launch"),
     "doctor": ("pipeline.stages.doctor", "what this host has vs what the pipeline needs"),
     "launch": ("pipeline.stages.launch", "render multi-node launch files (Slurm sbatch, EKS manifests)"),
     "rehearse": ("pipeline.stages.rehearse", "run configs/trn2.toml's parallel plan on CPU ranks, and the launch files on two nodes"),

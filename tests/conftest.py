@@ -198,6 +198,7 @@ SLOW_FIXTURES = {"checkpoints", "tiny_root", "export_runs"}
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: trains, makes the embedded models or builds images (full tier only)")
+    config.addinivalue_line("markers", "titan_e2e: every path's train → export → verify, for the upstream-main tier")
 
 
 def pytest_collection_modifyitems(config, items):

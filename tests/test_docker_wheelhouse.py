@@ -40,6 +40,24 @@ def test_plan_keeps_the_base_and_adds_what_it_lacks():
     ]
 
 
+def test_core_packages_outside_the_lock_are_refused_naming_both_versions():
+    """Issue 17, 2.2: the base keeps its versions, except for what the pipeline's code depends on."""
+    commit = "a" * 40
+    pins = wheelhouse.parse_lock(f"torch==2.14.0\ntorch-neuronx==2.14.3.0\ntransformers==5.16.0\nsafetensors==0.8.0\n"
+                                 f"torchtitan @ git+https://github.com/aws-neuron/torchtitan-neuron@{commit}\n")
+    core = frozenset({"torch", "transformers", "safetensors", "torchtitan"})
+    base = {"torch": "2.14.0+cpu", "torch-neuronx": "2.14.4.0", "transformers": "4.57.1", "safetensors": "0.8.0",
+            "torchtitan": "0.2.2+neuron.1"}
+    result = wheelhouse.plan(pins, base, core, commit_of=lambda name: "b" * 40)
+    assert result.refused == ["transformers: the base image has 4.57.1, the lock pins 5.16.0",
+                              f"torchtitan: the base image has 0.2.2+neuron.1 at commit {'b' * 40}, "
+                              f"the lock pins commit {commit}"]
+    # torch 2.14.0+cpu is the pinned release (a local build label); torch-neuronx is not core: kept.
+    assert [pin.name for pin, _ in result.kept] == ["torch", "torch-neuronx", "transformers", "torchtitan"]
+    # An install from a clone records no commit: kept, not compared (doctor says so).
+    assert wheelhouse.plan(pins, {**base, "transformers": "5.16.0"}, core, commit_of=lambda name: None).refused == []
+
+
 def test_wildcards_are_not_a_pin():
     with pytest.raises(ValueError, match="wildcard"):
         wheelhouse.parse_lock("neuronx-cc==2.*\n")
@@ -70,7 +88,8 @@ def stand_in(tmp_path_factory):
         _wheel(index, name, version, requires)
     base = root / "base"
     subprocess.run([sys.executable, "-m", "venv", str(base)], check=True)
-    env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(index), "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(index), "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+           "CORE_PACKAGES": "beta,gamma"}  # the stand-in's "packages the code depends on"; alpha is not one
     subprocess.run([str(base / "bin" / "python"), "-m", "pip", "install", "-q", "alpha==1.0", "beta==2.0"], env=env,
                    check=True)
     return root, base / "bin" / "python", env
@@ -109,3 +128,26 @@ def test_a_lock_package_that_needs_another_base_version_fails_clearly(stand_in, 
     assert result.returncode != 0
     assert "alpha==1.1" in result.stdout + result.stderr  # pip names the conflict with the base's alpha 1.0
     assert not (tmp_path / "requirements.hashed.txt").exists()
+
+
+def test_a_base_with_another_version_of_a_core_package_is_refused_in_one_line(stand_in, tmp_path):
+    root, python, env = stand_in
+    lock = tmp_path / "requirements.lock"
+    lock.write_text("alpha==1.1\ngamma==3.0\n")
+    result = subprocess.run(["/bin/sh", str(REPO / "docker" / "make-wheelhouse.sh"), str(python), str(lock),
+                             str(tmp_path)], env={**env, "CORE_PACKAGES": "alpha,gamma"}, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert (tmp_path / "refused.txt").read_text() == "alpha: the base image has 1.0, the lock pins 1.1\n"
+    assert "error: alpha: the base image has 1.0, the lock pins 1.1" in result.stderr
+    assert not (tmp_path / "requirements.hashed.txt").exists() and not list(tmp_path.glob("*.whl"))
+
+
+def test_make_wheelhouse_needs_the_core_packages_named(stand_in, tmp_path):
+    root, python, env = stand_in
+    lock = tmp_path / "requirements.lock"
+    lock.write_text("alpha==1.0\n")
+    env = {k: v for k, v in env.items() if k != "CORE_PACKAGES"}
+    result = subprocess.run(["/bin/sh", str(REPO / "docker" / "make-wheelhouse.sh"), str(python), str(lock),
+                             str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and "CORE_PACKAGES must name" in result.stderr

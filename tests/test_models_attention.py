@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import REPO
+from titan_batch import fold, unfold
 from pipeline.errors import PipelineError
 from pipeline.models import attention_backends
 from pipeline.run import settings as settings_mod
@@ -43,7 +44,8 @@ def test_document_sdpa_equals_per_document_attention():
     q = torch.randn(2, 16, 4, 8, dtype=torch.float64)
     k, v = torch.randn(2, 16, 2, 8, dtype=torch.float64), torch.randn(2, 16, 2, 8, dtype=torch.float64)
     module = DocumentSDPA(DocumentSDPA.Config())
-    out = module(q, k, v, attention_masks=create_varlen_metadata_for_document(positions), enable_gqa=True)
+    out = unfold(module(*fold(q, k, v), attention_masks=create_varlen_metadata_for_document(fold(positions)),
+                        enable_gqa=True), 2)
     torch.testing.assert_close(out, _per_document_reference(q, k, v, positions), rtol=0, atol=1e-12)
 
 
@@ -84,8 +86,9 @@ def _tiny_loss(attention_backend: str):
     dynamo_utils.counters.clear()
     tokens = torch.randint(0, arch.vocab_size, (2, 32))
     positions = _packed_positions([[10, 22], [32]])
+    tokens, positions = fold(tokens, positions)
     logits = model(tokens, attention_masks=model.get_attention_masks(positions), positions=positions)
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.roll(-1, 1).flatten())
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens.roll(-1, -1).flatten())
     loss.backward()
     return loss.item(), sum(dynamo_utils.counters["frames"].values()), type(model.layers["0"].attention.inner_attention)
 

@@ -13,6 +13,8 @@ from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
 from pipeline.models.cpu_overrides import LoopExperts
 from pipeline.models.nki import ops
 from pipeline.models.nki.modules import NkiExperts, NkiRoPE, NkiRouter
+from pipeline.titan import api
+from titan_batch import fold
 
 
 def packed_positions(batch: int, seq: int, gen: torch.Generator) -> torch.Tensor:
@@ -26,8 +28,8 @@ def packed_positions(batch: int, seq: int, gen: torch.Generator) -> torch.Tensor
 
 
 def rope_pair(seq=256, dim=128):
-    kw = dict(dim=dim, max_seq_len=2 * seq, theta=1e6)
-    return CosSinRoPE(CosSinRoPE.Config(**kw)), NkiRoPE(NkiRoPE.Config(**kw, use_nki=False))
+    kw = dict(dim=dim, max_len=2 * seq, theta=1e6)
+    return CosSinRoPE(api.rope_config(CosSinRoPE, **kw)), NkiRoPE(api.rope_config(NkiRoPE, **kw, use_nki=False))
 
 
 @pytest.mark.parametrize("with_positions", [True, False], ids=["packed positions", "no positions"])
@@ -35,10 +37,12 @@ def test_rope_equals_cossin_rope_exactly(with_positions):
     gen = torch.Generator().manual_seed(0)
     native, nki = rope_pair()
     batch, seq = 2, 256
-    positions = packed_positions(batch, seq, gen) if with_positions else None
-    q = torch.randn(batch, seq, 4, 128, generator=gen)
-    k = torch.randn(batch, seq, 2, 128, generator=gen)
-    grads = [torch.randn(batch, seq, n, 128, generator=gen) for n in (4, 2)]
+    positions = fold(packed_positions(batch, seq, gen)) if with_positions else None
+    if positions is None and api.folded_batch():
+        batch = 1  # main has no batch dim: without positions, the [T] tokens are one sequence
+    q = fold(torch.randn(batch, seq, 4, 128, generator=gen))
+    k = fold(torch.randn(batch, seq, 2, 128, generator=gen))
+    grads = [fold(torch.randn(batch, seq, n, 128, generator=gen)) for n in (4, 2)]
     results = []
     for module in (native, nki):
         qq, kk = q.clone().requires_grad_(True), k.clone().requires_grad_(True)
@@ -88,9 +92,9 @@ def test_experts_inside_routed_experts_equal_the_per_expert_loop():
     for p in loop.parameters():
         p.data = torch.randn(p.shape, generator=gen) * 0.3
     nki.load_state_dict(loop.state_dict())
-    x = torch.randn(2, 40, dim, generator=gen)
-    ids = torch.stack([torch.randperm(experts - 2, generator=gen)[:top_k] for _ in range(80)]).view(2, 40, top_k)  # 2 experts empty
-    scores = torch.rand(2, 40, top_k, generator=gen)
+    x = fold(torch.randn(2, 40, dim, generator=gen))
+    ids = fold(torch.stack([torch.randperm(experts - 2, generator=gen)[:top_k] for _ in range(80)]).view(2, 40, top_k))  # 2 experts empty
+    scores = fold(torch.rand(2, 40, top_k, generator=gen))
     counts = torch.bincount(ids.view(-1), minlength=experts)
     assert (counts == 0).sum() == 2
     results = []

@@ -4,6 +4,7 @@ run's last step), and says so when the run was cut short before writing one."""
 
 from __future__ import annotations
 
+import os
 import types
 from pathlib import Path
 
@@ -29,9 +30,11 @@ def test_torchtitan_and_export_ignore_an_incomplete_step(tmp_path):
     (complete / ".metadata").write_bytes(b"x")
     (complete / rundir.WEIGHTS).write_bytes(b"x")
     plant_incomplete_step(run_dir, 10)
-    # torchtitan 0.3.0 counts a step only when step-N/.metadata exists (DCP renames it in last).
+    # torchtitan (0.3.0 and main) counts a step only when step-N/.metadata exists (DCP renames it in
+    # last); main reads the folder through a storage object (local files: os.path's calls).
     find = CheckpointManager._find_load_step
-    assert find(types.SimpleNamespace(folder=str(run_dir / "checkpoint"))) == 5
+    storage = types.SimpleNamespace(isdir=os.path.isdir, isfile=os.path.isfile, listdir=os.listdir)
+    assert find(types.SimpleNamespace(folder=str(run_dir / "checkpoint"), _storage=storage)) == 5
     run = RunDir(run_dir)
     assert run.weights_file() == (5, complete / rundir.WEIGHTS)
     # DCP finished step 10 but the kill came before its weights file: complete (a resume starts

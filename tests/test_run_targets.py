@@ -64,12 +64,29 @@ def test_container_run_passes_the_image_cache_path(monkeypatch, tmp_path):
     assert seen["volumes"][str(tmp_path / "neff")]["bind"] == image.IMAGE_COMPILE_CACHE
 
 
+def test_container_run_carries_the_users_hugging_face_settings(monkeypatch, tmp_path):
+    """HF_HUB_OFFLINE / HF_ENDPOINT reach the container as set; HF_HOME and HF_HUB_CACHE as mounts at the
+    image's paths (a host path means nothing inside)."""
+    seen = {}
+    monkeypatch.setattr(image, "stream_container", lambda engine, name, command, **kwargs: seen.update(kwargs) or 0)
+    for name, value in (("HF_HUB_OFFLINE", "1"), ("HF_ENDPOINT", "https://hf-mirror.example"),
+                        ("HF_HOME", str(tmp_path / "hf")), ("HF_HUB_CACHE", str(tmp_path / "hub")),
+                        ("PIPELINE_CHECKPOINTS", str(tmp_path / "c")), ("PIPELINE_COMPILE_CACHE", str(tmp_path / "n"))):
+        monkeypatch.setenv(name, value)
+    assert image.run_in_image(image.container_run("x", ["doctor"]), engine=object()) == 0
+    env, volumes = seen["environment"], seen["volumes"]
+    assert env["HF_HUB_OFFLINE"] == "1" and env["HF_ENDPOINT"] == "https://hf-mirror.example"
+    assert env["HF_HUB_CACHE"] == "/hf-cache/hub" and "HF_HOME" not in env  # the image's HF_HOME=/hf-cache
+    assert volumes[str(tmp_path / "hf")]["bind"] == "/hf-cache" and volumes[str(tmp_path / "hub")]["bind"] == "/hf-cache/hub"
+
+
 def test_slurm_nodes_share_one_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("PIPELINE_CHECKPOINTS", str(tmp_path))
     parser = argparse.ArgumentParser()
     launch.add_arguments(parser)  # every flag at its default, as a user's command line would give them
     args = parser.parse_args(["--scheduler", "slurm", "--nodes", "2", "--model", "Qwen/Qwen3-0.6B",
-                              "--cluster-checkpoints", "/fsx/checkpoints", "--output", str(tmp_path / "out")])
+                              "--cluster-checkpoints", "/fsx/checkpoints", "--output", str(tmp_path / "out"),
+                              "--image", "r.example/q@sha256:" + "0" * 64])
     script = launch.render_slurm(launch.plan(args))["train.sbatch"]
     assert f"export {NEW}=/fsx/checkpoints/.neuron-compile-cache" in script
     assert f'mkdir -p "${NEW}"' in script and OLD not in script

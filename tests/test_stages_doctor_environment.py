@@ -16,6 +16,7 @@ import docker
 import pytest
 
 from conftest import REPO, fake_trn2_host
+from pipeline.run.image import CORE_PACKAGES
 from pipeline.stages import doctor
 from pipeline.titan import compat
 
@@ -26,9 +27,11 @@ def _image_record(tmp_path: Path, lock_names=("torch", "transformers", "safetens
     record.mkdir()
     lines = [f"{doctor._normalize(n)}=={metadata.version(n)}" for n in lock_names]
     (record / "image-packages.txt").write_text("\n".join(lines) + "\n")
-    (record / "differences.txt").write_text("torch: lock 2.14.0, base image %s (kept)\n" % metadata.version("torch"))
+    (record / "differences.txt").write_text("torch-neuronx: lock 0.0.0, base image 2.14.3.0 (kept)\n")
+    # The packages the code depends on are at the lock's versions (else doctor fails the image, below);
+    # every other package is kept at the base's version, whatever the lock says.
     lock = tmp_path / "requirements.lock"
-    lock.write_text("".join(f"{n}==0.0.0\n" for n in lock_names))
+    lock.write_text("".join(f"{n}=={metadata.version(n) if n in CORE_PACKAGES else '0.0.0'}\n" for n in lock_names))
     return record, lock
 
 
@@ -161,3 +164,26 @@ def test_on_a_neuron_host_stages_run_in_the_image_unless_the_venv_has_torchneuro
     out = _make_n("train-native", "DRY_RUN=1", f"VENV={venv}", **neuron)
     assert " -m pipeline image" not in out and f"{venv}/bin/python -m pipeline train" in out
     assert " -m pipeline image" not in _make_n("train-native", "DRY_RUN=1")  # no Neuron device here
+
+
+def test_image_whose_base_has_another_version_of_a_core_package_fails_naming_both(tmp_path):
+    """Issue 17, 2.2: the base's versions are kept, but not for what the code depends on."""
+    record, lock = _image_record(tmp_path, ("torch", "tqdm", "transformers"))
+    lock.write_text(lock.read_text().replace(f"transformers=={metadata.version('transformers')}", "transformers==4.0.0"))
+    rows = {r.name: r for r in doctor.inside_image_rows("cpu", record=record, lock=lock)}
+    row = rows["code depends on: transformers"]
+    assert row.status == "FAIL" and row.needs == "lock 4.0.0" and row.found == metadata.version("transformers")
+    assert rows["code depends on: torch"].status == "ok"
+    assert "code depends on: tqdm" not in rows  # kept at the base's version, not compared
+
+
+def test_core_package_pinned_to_a_commit_is_compared_by_the_commit_its_install_recorded(tmp_path):
+    lock = tmp_path / "requirements.lock"
+    lock.write_text("torchtitan @ git+https://github.com/aws-neuron/torchtitan-neuron@" + "a" * 40 + "\n")
+    installed = {"torchtitan": "0.2.2+neuron.1"}
+    (row,) = doctor.core_package_rows(lock, installed, commit_of=lambda name: "b" * 40)
+    assert row.status == "FAIL" and row.found == "0.2.2+neuron.1 at commit " + "b" * 40 and "a" * 40 in row.needs
+    (row,) = doctor.core_package_rows(lock, installed, commit_of=lambda name: "a" * 40)
+    assert row.status == "ok"
+    (row,) = doctor.core_package_rows(lock, installed, commit_of=lambda name: None)  # `pip install -e .` of a clone
+    assert row.status == "warn" and "not compared" in row.found

@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import threading
 import time
@@ -139,6 +140,7 @@ def test_image_labels_and_user(engine, image, cpu_lock):
     labels = attrs["Config"]["Labels"]
     assert labels["pipeline.lock.sha256"] == lock_sha256(cpu_lock)
     assert labels["org.opencontainers.image.base.name"] == BASE_TAG
+    assert labels["org.opencontainers.image.base.digest"] == engine.images.get(BASE_TAG).id == image["base_digest"]
     assert attrs["Config"]["User"] not in ("", "0", "root")
     assert not any("/tmp/wheels" in (layer.get("CreatedBy") or "") for layer in engine.api.history(image["tag"])), \
         "the wheelhouse leaked into the final image"
@@ -242,3 +244,98 @@ def test_stage_cli_runs_in_image(engine, image, tmp_path):
                           "train", "--model", "tiny", "--path", "bogus"], cwd=REPO, env=env, capture_output=True,
                          text=True, timeout=300)
     assert bad.returncode == 2, bad.stdout + bad.stderr
+
+
+# ---- issue 17, section 2: the image builds on the real base (a stand-in for it, made locally)
+
+# The stand-in for a Neuron DLC: built FROM Ubuntu 24.04/26.04, so user `ubuntu` already has UID 1000,
+# and it ships its own version of a package the pipeline's code depends on (safetensors 0.7.0, a bare
+# dist-info pip lists) where the lock pins another.
+STAND_IN_DLC = """FROM {base}
+RUN useradd --create-home --uid 1000 --shell /bin/sh ubuntu \\
+    && mkdir -p /usr/lib/python3/dist-packages/safetensors-0.7.0.dist-info \\
+    && printf 'Metadata-Version: 2.1\\nName: safetensors\\nVersion: 0.7.0\\n' \\
+       > /usr/lib/python3/dist-packages/safetensors-0.7.0.dist-info/METADATA
+"""
+SMALL_PIN = "six==1.17.0"  # one small wheel from the local index: the build, not the packages, is under test
+
+
+@pytest.fixture(scope="session")
+def stand_in_dlc(engine, base_image) -> str:
+    import io
+
+    tag = "local/stand-in-dlc:uid1000"
+    engine.images.build(fileobj=io.BytesIO(STAND_IN_DLC.format(base=base_image).encode()), tag=tag, rm=True)
+    return tag
+
+
+def _small_build(engine, base: str, lock_text: str, tmp_path: Path) -> dict:
+    lock = tmp_path / "requirements.lock"
+    lock.write_text(lock_text)
+    spec = image_stage.BuildSpec(base_image=base, lock=lock, tag=default_tag(lock, base), wheelhouse=tmp_path / "wheels",
+                                 pip_mounts=PIP_MOUNTS)
+    os.environ.update(PIP_ENV)
+    return image_stage.build(spec, engine)
+
+
+@pytest.fixture(scope="session")
+def small_image(engine, stand_in_dlc, tmp_path_factory) -> dict:
+    return _small_build(engine, stand_in_dlc, SMALL_PIN + "\n", tmp_path_factory.mktemp("small-image"))
+
+
+def test_builds_on_a_base_whose_uid_1000_user_exists(engine, stand_in_dlc, small_image):
+    """2.1: `useradd --uid 1000` failed on Ubuntu-based DLCs; the UID's existing user is reused."""
+    built = small_image
+    attrs = engine.images.get(built["tag"]).attrs
+    assert attrs["Config"]["User"] == "1000"
+    # 2.3: a base made locally has no registry digest; its image id is recorded.
+    assert attrs["Config"]["Labels"]["org.opencontainers.image.base.digest"] == engine.images.get(stand_in_dlc).id
+    out = engine.containers.run(built["tag"], ["sh", "-c", "id -un; stat -c %u /checkpoints /hf-cache; "
+                                               "touch $HOME/x && echo home-writable"], remove=True).decode().split()
+    assert out == ["ubuntu", "1000", "1000", "home-writable"], out
+
+
+def test_a_base_with_another_version_of_a_core_package_is_refused_in_one_line(engine, stand_in_dlc, tmp_path):
+    """2.2: the base's safetensors 0.7.0 against the lock's 0.8.0: no image, one line naming both."""
+    from pipeline.errors import PipelineError
+
+    with pytest.raises(PipelineError) as err:
+        _small_build(engine, stand_in_dlc, f"safetensors==0.8.0\n{SMALL_PIN}\n", tmp_path)
+    line = str(err.value)
+    assert "\n" not in line and "safetensors: the base image has 0.7.0, the lock pins 0.8.0" in line, line
+    assert not (tmp_path / "wheels" / "requirements.hashed.txt").exists()
+
+
+def test_the_container_user_opens_a_root_group_0660_device_through_its_group(engine, small_image, tmp_path,
+                                                                          monkeypatch, capfd):
+    """2.4: /dev/neuron* root:neuron 0660 as AWS's hardening leaves them; a stand-in node (the null device's
+    numbers) owned by a `neuron` group id, passed in as `make`'s stages pass every Neuron device."""
+    built = small_image
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    node = dev / "neuron0"
+    os.mknod(node, 0o660 | stat.S_IFCHR, os.makedev(1, 3))
+    os.chown(node, 0, 4242)
+    os.chmod(node, 0o660)
+    devices = image_stage.host_devices(dev)
+    assert devices == [str(node)] and image_stage.device_groups(devices) == [4242]
+    probe = ["sh", "-c", f"echo x > {node} && echo opened"]
+    # A run with devices lifts memlock for EFA; this sandbox may not raise it past its own limit.
+    import resource
+    from docker.types import Ulimit
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    monkeypatch.setattr(image_stage, "_memlock_unlimited", lambda: Ulimit(name="memlock", soft=soft, hard=hard))
+
+    def run(groups: list[int]) -> int:
+        request = image_stage.ContainerRun(image=built["tag"], argv=probe, checkpoints=tmp_path / "c",
+                                           hf_cache=tmp_path / "hf", compile_cache=tmp_path / "cc", devices=devices,
+                                           group_add=groups, network_host=False)
+        return image_stage.run_in_image(request, engine)
+
+    assert run([]) != 0  # the image's user alone cannot open it: what a hardened host did before
+    denied = capfd.readouterr()
+    assert "Permission denied" in denied.out + denied.err and "opened" not in denied.out.splitlines()
+    assert run(image_stage.device_groups(devices)) == 0
+    opened = capfd.readouterr().out
+    assert "groups 4242" in opened and "opened" in opened.splitlines()

@@ -5,6 +5,9 @@ without CI-only variables (issue 12, "The README's trn2 recipe, as written")."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
+from pathlib import Path
 
 import docker
 import pytest
@@ -21,7 +24,9 @@ class FakeImages:
     def get(self, name):
         if name not in self.present:
             raise docker.errors.ImageNotFound(f"no such image: {name}")
-        return type("Image", (), {"id": "sha256:1", "short_id": "1", "attrs": {"Size": 1}})()
+        repository = name.rsplit(":", 1)[0]
+        digests = [f"{repository}@sha256:{'d' * 64}"] if name.startswith("public.ecr.aws/") else []
+        return type("Image", (), {"id": "sha256:1", "short_id": "1", "attrs": {"Size": 1, "RepoDigests": digests}})()
 
 
 class FakeApi:
@@ -68,6 +73,100 @@ def test_a_failed_pull_is_one_line():
     engine = FakeEngine(chunks=[{"error": "pull access denied for nosuch/image"}])
     with pytest.raises(PipelineError, match="pulling nosuch/image:1 failed: pull access denied"):
         image.ensure_base(engine, "nosuch/image:1")
+
+
+def test_a_base_that_does_not_exist_says_how_to_look_it_up():
+    """Issue 17, 2.3: the 2.33 DLC's repository name is unconfirmed; no silent guess."""
+    engine = FakeEngine(chunks=[{"error": f"manifest for {BASE} not found: manifest unknown: Requested image not found"}])
+    with pytest.raises(PipelineError) as err:
+        image.ensure_base(engine, BASE)
+    line = str(err.value)
+    assert "\n" not in line and f"base image {BASE} (the default BASE_IMAGE, whose repository name" in line
+    assert "does not exist: manifest for" in line
+    assert "aws ecr-public describe-images" in line and "BASE_IMAGE=<repository>@sha256:<digest>" in line
+
+
+def test_the_base_digest_is_what_the_engine_resolved():
+    engine = FakeEngine(chunks=[{"status": "Pull complete", "id": "a1"}])
+    base = image.ensure_base(engine, BASE)
+    assert base.digest == "sha256:" + "d" * 64 and base.recorded_digest == base.digest
+    local = image.ensure_base(FakeEngine(present={"local/base:1"}), "local/base:1")
+    assert local.digest is None and local.recorded_digest == "sha256:1"  # made locally: its image id
+    pinned = image.ensure_base(FakeEngine(present={"local/base@sha256:" + "e" * 64}), "local/base@sha256:" + "e" * 64)
+    assert pinned.digest == "sha256:" + "e" * 64
+
+
+def test_build_records_the_base_digest_in_the_image(tmp_path, monkeypatch):
+    lock = tmp_path / "requirements.lock"
+    lock.write_text("torch==2.14.0\n")
+    engine = FakeEngine(present={BASE, "t"})
+    built = {}
+
+    def fake_build(**kwargs):
+        built.update(kwargs["buildargs"])
+        return iter([{"stream": "Successfully built 1\n"}])
+
+    engine.api.build = fake_build
+    monkeypatch.setattr(image, "make_wheelhouse", lambda spec, eng: spec.wheelhouse)
+    monkeypatch.setattr(image, "build_context", lambda spec, out: out.write_bytes(b"") or out)
+    result = image.build(image.BuildSpec(base_image=BASE, lock=lock, tag="t", wheelhouse=tmp_path / "w"), engine)
+    assert built["BASE_DIGEST"] == "sha256:" + "d" * 64 == result["base_digest"] and built["BASE_IMAGE_ID"] == "sha256:1"
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert 'org.opencontainers.image.base.digest="${BASE_DIGEST}"' in dockerfile
+    assert 'pipeline.base.id="${BASE_IMAGE_ID}"' in dockerfile
+
+
+def test_devices_owned_by_a_group_others_cannot_use_add_that_group(tmp_path):
+    """Issue 17, 2.4: AWS's hardening leaves /dev/neuron* root:neuron 0660."""
+    dev = tmp_path / "dev"
+    (dev / "infiniband").mkdir(parents=True)
+    for name, mode in (("neuron0", 0o660), ("neuron1", 0o660), ("infiniband/uverbs0", 0o666)):
+        (dev / name).touch()
+        os.chmod(dev / name, mode)
+    neuron_gid = 4242
+    for name in ("neuron0", "neuron1"):
+        os.chown(dev / name, 0, neuron_gid) if os.geteuid() == 0 else None
+    devices = image.host_devices(dev)
+    assert [Path(d).relative_to(dev).as_posix() for d in devices] == ["neuron0", "neuron1", "infiniband/uverbs0"]
+    expected = neuron_gid if os.geteuid() == 0 else os.getegid()
+    assert image.device_groups(devices) == [expected]  # the world-usable uverbs device adds nothing
+    os.chmod(dev / "neuron0", 0o666)
+    os.chmod(dev / "neuron1", 0o666)
+    assert image.device_groups(devices) == []
+
+
+def test_containers_run_with_the_devices_group(tmp_path, monkeypatch):
+    created = {}
+
+    class Container:
+        short_id = "c1"
+
+        def start(self):
+            pass
+
+        def logs(self, **kwargs):
+            return iter([b"ok\n"])
+
+        def wait(self):
+            return {"StatusCode": 0}
+
+        def remove(self, force=False):
+            pass
+
+    class Containers:
+        def create(self, image_name, command, **kwargs):
+            created.update(kwargs)
+            return Container()
+
+    engine = type("Engine", (), {"containers": Containers()})()
+    monkeypatch.setattr(image, "_writable_for_image_user", lambda directory: None)
+    request = image.ContainerRun(image="img", argv=["doctor"], checkpoints=tmp_path / "c", hf_cache=tmp_path / "h",
+                                 compile_cache=tmp_path / "cc", devices=["/dev/neuron0"], group_add=[4242])
+    assert image.run_in_image(request, engine) == 0
+    assert created["group_add"] == ["4242"] and created["devices"] == ["/dev/neuron0:/dev/neuron0:rwm"]
+    created.clear()
+    assert image.run_in_image(dataclasses.replace(request, devices=[], group_add=[]), engine) == 0
+    assert "group_add" not in created
 
 
 def test_build_pulls_the_base_before_the_wheelhouse(tmp_path, monkeypatch):

@@ -50,7 +50,7 @@ def test_cpu_slurm_script(tmp_path):
 def test_trn2_slurm_script_keeps_neuron_and_efa(tmp_path):
     out = tmp_path / "slurm"
     run_pipeline("launch", "--scheduler", "slurm", "--nodes", "2", "--model", "Qwen/Qwen3-4B-Instruct-2507",
-                 "--output", str(out), root=tmp_path / "ckpt")  # dry-run resolvable from configs/hub_configs
+                 "--image", "r.example/q@sha256:" + "0" * 64, "--output", str(out), root=tmp_path / "ckpt")  # dry-run resolvable from configs/hub_configs
     script = (out / "train.sbatch").read_text()
     assert "export FI_PROVIDER=efa" in script and "NEURON_LOGICAL_NC_CONFIG" in script
     assert json.loads((out / "run.json").read_text())["target"] == "trn2"
@@ -59,12 +59,12 @@ def test_trn2_slurm_script_keeps_neuron_and_efa(tmp_path):
 def test_cpu_eks_manifest_has_no_trn2_resources(tmp_path):
     out = tmp_path / "eks"
     run_pipeline("launch", "--scheduler", "eks", "--nodes", "2", "--model", MODEL, "--target", "cpu",
-                 "--nproc-per-node", "1", "--output", str(out), root=tmp_path / "ckpt")
+                 "--nproc-per-node", "1", "--image", "r.example/q@sha256:" + "0" * 64, "--output", str(out), root=tmp_path / "ckpt")
     docs = {d["kind"]: d for d in yaml.safe_load_all((out / "job.yaml").read_text())}
     pod = docs["Job"]["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert "resources" not in container and "nodeSelector" not in pod
-    env = {e["name"]: e["value"] for e in container["env"]}
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
     assert "FI_PROVIDER" not in env and env["MASTER_PORT"] == "29500"
     assert "--nproc-per-node=1" in container["command"][-1]
     assert json.loads(docs["ConfigMap"]["data"]["run.json"])["target"] == "cpu"

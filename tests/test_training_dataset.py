@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import PipelineError
-from pipeline.titan import compat
+from pipeline.titan import api
 from pipeline.training import dataset
 from tiny_checkpoint import ok, one_error_line, pipeline_cli
 
@@ -103,16 +103,17 @@ def test_c4_test_outside_a_torchtitan_checkout_is_refused(tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(PipelineError, match="relative to the working directory"):
         dataset.resolve("c4_test", tmp_path / "train.jsonl")
-    (tmp_path / "tests" / "assets" / "c4_test").mkdir(parents=True)
+    read = tmp_path / api.titan_datasets()["c4_test"]  # the installed torchtitan's: folder or data.json
+    read.parent.mkdir(parents=True)
+    read.mkdir() if not read.suffix else read.write_text("{}\n")
     assert dataset.resolve("c4_test", tmp_path / "train.jsonl").kind == "titan"
 
 
 def test_titan_dataset_names_match_the_installed_torchtitan():
-    from torchtitan.hf_datasets.text_datasets import DATASETS
-
     # torchtitan's own entries; the pipeline's (dataset.REGISTERED_NAME) may already be registered by another test.
     ours = set(dataset.REGISTERED_NAME.values())
-    assert compat.TITAN_DATASETS == {name: config.path for name, config in DATASETS.items() if name not in ours}
+    installed = {name: path for name, path in api.registered_dataset_paths().items() if name not in ours}
+    assert api.titan_datasets() == installed
 
 
 def test_trn2_default_stays_c4():
@@ -127,7 +128,6 @@ def test_trn2_default_stays_c4():
 @pytest.mark.parametrize("suffix", [".jsonl", ".txt"])
 def test_torchtitan_loader_reads_a_registered_file(tmp_path, suffix):
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
-    from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataset
 
     from pipeline.checkpoint.embedded import tokenizer_dir
 
@@ -137,9 +137,10 @@ def test_torchtitan_loader_reads_a_registered_file(tmp_path, suffix):
     source = dataset.resolve(str(path), tmp_path / "unused.jsonl")
     name = dataset.register(source)
     tokenizer = HuggingFaceTokenizer(tokenizer_path=str(tokenizer_dir()))
-    data = HuggingFaceTextDataset(dataset_name=name, dataset_path=None, tokenizer=tokenizer, seq_len=64)
-    first, _labels = next(iter(data))
-    text = tokenizer.decode(first["input"].tolist())
+    loader = api.build_text_loader(api.text_dataloader(source, name), tokenizer=tokenizer, seq_len=64,
+                                   local_batch_size=1)
+    first, _labels = next(iter(loader))
+    text = tokenizer.decode(first["input"].flatten().tolist())
     assert text.count(MARKER) >= 2, text  # documents, not lines or characters, are the samples
     assert "number 0" in text and "number 1" in text
 

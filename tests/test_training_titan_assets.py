@@ -1,6 +1,6 @@
-"""pipeline/training/titan_assets.py and the `tokenizer` setting: torchtitan's test tokenizer and
-c4_test (AWS's smoke run, the conditions of configs/models.toml's 6.54), found in the working
-directory or in the installed torchtitan's source checkout, and the tokenizer the trainer builds."""
+"""pipeline/training/titan_assets.py and the `tokenizer` setting: torchtitan's test tokenizer (AWS's
+smoke run, a condition of configs/models.toml's 6.54), found in the working directory or in the
+installed torchtitan's source checkout, and the tokenizer the trainer builds."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from pipeline.checkpoint import embedded
 from pipeline.errors import PipelineError
-from pipeline.training import dataset, titan_assets
+from pipeline.training import titan_assets
 
 
 def _assets(root: Path) -> Path:
@@ -44,8 +44,6 @@ def test_assets_are_found_in_the_installed_torchtitans_checkout(tmp_path, monkey
     monkeypatch.delitem(__import__("sys").modules, "torchtitan", raising=False)
     assert titan_assets.checkout_root() == checkout.resolve()
     assert titan_assets.tokenizer_dir("titan-test", "/source") == str(tokenizer.resolve())
-    source = dataset.resolve("c4_test", tmp_path / "train.jsonl")
-    assert (source.kind, source.file) == ("titan", str((checkout / "tests" / "assets" / "c4_test").resolve()))
 
 
 def test_the_trainer_builds_the_settings_tokenizer(tmp_path, monkeypatch):

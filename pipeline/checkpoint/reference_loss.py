@@ -54,11 +54,18 @@ def segments(positions_row):
     return list(zip(starts, ends))
 
 
+def as_rows(batch: dict) -> dict:
+    """A recorded batch with [rows, tokens] tensors. torchtitan 0.3.0 records [B, L]; torchtitan main
+    folds the batch (#4121) and records [T] packed tokens, which is one row."""
+    return {k: v.unsqueeze(0) if v.dim() == 1 else v for k, v in batch.items()}
+
+
 def loss_terms(model, batch: dict) -> tuple[float, int]:
     """(summed cross-entropy, label tokens) of one recorded batch."""
     import torch
     import torch.nn.functional as F
 
+    batch = as_rows(batch)
     total, count = 0.0, 0
     with torch.no_grad():
         for row in range(batch["input"].shape[0]):

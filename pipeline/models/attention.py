@@ -21,6 +21,7 @@ from torchtitan.config import derive, override
 from torchtitan.models.common.attention import VarlenAttention, VarlenMetadata
 
 from pipeline.models.attention_backends import DOCUMENT_SDPA
+from pipeline.titan import api
 
 
 def document_ids(meta: VarlenMetadata, batch: int, length: int) -> torch.Tensor:
@@ -49,17 +50,19 @@ class DocumentSDPA(VarlenAttention):
             raise ValueError(f"document_sdpa: window_size {config.window_size} is not plain causal attention")
         self.window_size = config.window_size
 
+    @api.forward_signature_of(VarlenAttention.forward)
     def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks: VarlenMetadata, scale=None, enable_gqa=False,
                 out_transform=None, **kwargs):
         if out_transform is not None:
             raise NotImplementedError("document_sdpa supports plain masked attention only")
+        (q_BLNH, k_BLNH, v_BLNH), added = api.with_batch_dim(4, q_BLNH, k_BLNH, v_BLNH)
         batch, length = q_BLNH.shape[0], q_BLNH.shape[1]
         mask = document_mask(attention_masks, batch, length, q_BLNH.device)
         out = F.scaled_dot_product_attention(
             q_BLNH.transpose(1, 2), k_BLNH.transpose(1, 2), v_BLNH.transpose(1, 2),
             attn_mask=mask, scale=scale, enable_gqa=enable_gqa,
         )
-        return out.transpose(1, 2)
+        return api.drop_batch_dim(out.transpose(1, 2), added)
 
 
 @override(target=VarlenAttention.Config, exact=True,

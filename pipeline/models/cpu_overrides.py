@@ -23,6 +23,7 @@ from torchtitan.models.common.attention import FlexAttention
 from torchtitan.models.common.moe import GroupedExperts
 
 from pipeline.models.reference import experts_reference
+from pipeline.titan import api
 
 
 def dense_mask(block_mask, batch: int, length: int, device) -> torch.Tensor:
@@ -48,16 +49,18 @@ class DenseMaskAttention(FlexAttention):
     class Config(FlexAttention.Config):
         pass
 
+    @api.forward_signature_of(FlexAttention.forward)
     def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks, score_mod=None, scale=None,
                 enable_gqa=False, out_transform=None, **kwargs):
         if score_mod is not None or out_transform is not None:
             raise NotImplementedError("dense_mask_attention supports plain masked attention only")
+        (q_BLNH, k_BLNH, v_BLNH), added = api.with_batch_dim(4, q_BLNH, k_BLNH, v_BLNH)
         mask = dense_mask(attention_masks, q_BLNH.shape[0], q_BLNH.shape[1], q_BLNH.device)
         out = F.scaled_dot_product_attention(
             q_BLNH.transpose(1, 2), k_BLNH.transpose(1, 2), v_BLNH.transpose(1, 2),
             attn_mask=mask, scale=scale, enable_gqa=enable_gqa,
         )
-        return out.transpose(1, 2)
+        return api.drop_batch_dim(out.transpose(1, 2), added)
 
 
 class LoopExperts(GroupedExperts):
@@ -65,6 +68,7 @@ class LoopExperts(GroupedExperts):
     class Config(GroupedExperts.Config):
         pass
 
+    @api.forward_signature_of(GroupedExperts.forward)
     def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         weights = [w.to_local() if isinstance(w, DTensor) else w for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD)]
         return experts_reference(x_RD, num_tokens_per_expert_E, *weights)

@@ -28,6 +28,8 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torchtitan.protocols.model import BaseModel
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
+from pipeline.titan import api
+
 # transformers' attention for the CPU path: SDPA takes the dense block-causal mask built below.
 ATTENTION = "sdpa"
 # transformers' per-expert loop runs in the parameters' dtype; grouped_mm kernels would not
@@ -114,10 +116,10 @@ class HFQwen3(BaseModel):
 
         def update_from_config(self, *, config, **kwargs) -> None:
             limit = int(self.config_json.get("max_position_embeddings", 0))
-            if limit and config.training.seq_len > limit:
+            if limit and api.seq_len_of(config.training) > limit:
                 from pipeline.errors import PipelineError
 
-                raise PipelineError(f"seq_len {config.training.seq_len} exceeds max_position_embeddings {limit}.",
+                raise PipelineError(f"seq_len {api.seq_len_of(config.training)} exceeds max_position_embeddings {limit}.",
                                     f"use SEQ_LEN ≤ {limit}.")
 
         def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
@@ -170,6 +172,9 @@ class HFQwen3(BaseModel):
         rope.attention_scaling = scaling
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, **unused) -> torch.Tensor:
+        (tokens,), added = api.with_batch_dim(2, tokens)  # [T] packed tokens on torchtitan main (titan.api)
+        if added and positions is not None:
+            positions = positions.unsqueeze(0)
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape[0], -1)
         # Packed documents: positions restart per document (RoPE) and a block-causal mask keeps
@@ -178,7 +183,7 @@ class HFQwen3(BaseModel):
         # local sequence shard.
         mask = block_causal_mask(positions)
         hidden = self.model(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=False)
-        return self.lm_head(hidden.last_hidden_state)
+        return api.drop_batch_dim(self.lm_head(hidden.last_hidden_state), added)
 
 
 # The TP plan, as torch ParallelStyles: the Megatron layout torchtitan's own Qwen3 uses

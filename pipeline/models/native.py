@@ -8,14 +8,14 @@ checkpoint's numbers so the layer/parameter-init conventions stay torchtitan's o
 from __future__ import annotations
 
 from pipeline.checkpoint.arch import TITAN_RMS_NORM_EPS, Qwen3Arch
-from pipeline.titan import compat
+from pipeline.titan import api, compat
 
 
 def model_config(arch: Qwen3Arch, attn_backend: str = "flex"):
     from torchtitan.models import qwen3 as titan_qwen3
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
 
-    rope = CosSinRoPE.Config(dim=arch.head_dim, max_seq_len=arch.max_position_embeddings, theta=arch.rope_theta)
+    rope = api.rope_config(CosSinRoPE, dim=arch.head_dim, max_len=arch.max_position_embeddings, theta=arch.rope_theta)
     common = dict(
         fuse_qkv=True,
         n_layers=arch.num_hidden_layers,

@@ -19,6 +19,10 @@ LOCK = Path(__file__).resolve().parent.parent.parent / "requirements.lock"
 # The Neuron SDK 2.33 PyTorch training DLC (see the Dockerfile for how to pin it by digest).
 DEFAULT_BASE_IMAGE = "public.ecr.aws/neuron/pytorch-training-neuronx:2.14.0-neuronx-py314-sdk2.33.0-ubuntu26.04"
 COMMIT = re.compile(r"@([0-9a-f]{40})$")
+# What the pipeline's own code imports and is tested against: a base image that ships another version of
+# one of these is refused at build (docker/wheelhouse.py) and reported FAIL by doctor, naming both.
+# Every other package the base has keeps the base's version (the DLC's Neuron stack is built together).
+CORE_PACKAGES = ("torch", "transformers", "safetensors", "huggingface-hub", "datasets", "torchtitan")
 
 
 def lock_sha256(lock: Path) -> str:

@@ -187,6 +187,32 @@ class Environment:
         return found
 
 
+    def package_dir(self, name: str) -> Path | None:
+        """Where the import package `name` lives in this environment (without importing it)."""
+        if self.paths is None:
+            spec = importlib.util.find_spec(name)
+            return Path(spec.origin).parent if spec and spec.origin else None
+        return next((Path(p) / name for p in self.paths if (Path(p) / name / "__init__.py").exists()), None)
+
+
+def check_torchtitan_api(env: "Environment | None") -> Check:
+    """Which of the two torchtitan APIs the stages will run on (pipeline.titan.api: told apart by what the
+    package declares, never by its version: PyPI's 0.3.0 and torchtitan-neuron's 0.2.2 base differ while
+    upstream main also says 0.2.2), and whether AWS's torchtitan_neuron (its Qwen3 configs) is importable."""
+    from pipeline.titan import api
+
+    needs = "torchtitan 0.3.0 or upstream-main API"
+    if env is None:
+        return Check("torchtitan API", needs, "no project venv yet: `make setup` installs it", "warn")
+    package = env.package_dir("torchtitan")
+    if package is None:
+        return Check("torchtitan API", needs, f"torchtitan not installed in {env.description}", "FAIL")
+    neuron = env.package_dir("torchtitan_neuron")
+    found = (f"{api.DESCRIPTION[api.variant_at(package)]}; torchtitan_neuron "
+             + (f"importable ({neuron})" if neuron else "not installed (only the image has it)"))
+    return Check("torchtitan API", needs, found, "ok")
+
+
 def _canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
@@ -283,7 +309,7 @@ def checks(target: str, lock: Path, host: Host = Host(), packages: str = "proble
     if not in_container:
         if target == "trn2":
             rows.append(check_neuron_python(target, env))
-        return rows + package_rows(lock, env, packages)
+        return rows + [check_torchtitan_api(env)] + package_rows(lock, env, packages)
     # The stages run in the image: the host venv only runs image/doctor/launch (the dev lock).
     return rows + package_rows(store.REPO / "requirements-dev.lock", env, packages) + image_rows(target, image, engine)
 
@@ -342,9 +368,11 @@ def inside_image_rows(target: str, record: Path = IMAGE_RECORD, lock: Path | Non
                       f"{len(wanted) - len(absent)} present" + (f"; absent: {', '.join(absent)}" if absent else "")
                       + (f"; {len(kept)} at the base image's version ({record / 'differences.txt'})" if kept else ""),
                       _status(not absent, True)))
+    rows += core_package_rows(lock, installed)
+    rows.append(check_torchtitan_api(Environment("the image")))
     missing = compat.missing_internals(compat.internals_for(target))
     shown = ", ".join(missing[:3]) + (f" … ({len(missing)} in all)" if len(missing) > 3 else "")
-    rows.append(Check("torchtitan internals", f"those of torchtitan {compat.EXPECTED_TORCHTITAN} the pipeline uses",
+    rows.append(Check("torchtitan internals", f"those of torchtitan {compat.WRITTEN_AGAINST} the pipeline uses",
                       f"torchtitan {compat.torchtitan_version()}: " + (f"missing {shown}" if missing else "all present"),
                       _status(not missing, True)))
     if target == "trn2":
@@ -354,6 +382,46 @@ def inside_image_rows(target: str, record: Path = IMAGE_RECORD, lock: Path | Non
 
 def _normalize(name: str) -> str:
     return _canonical(name)
+
+
+def _recorded_commit(name: str) -> str | None:
+    """The VCS commit pip recorded for an installed package (PEP 610), None for an install from a clone.
+    docker/wheelhouse.py reads the same at build time, in the base's Python, before the pipeline is there."""
+    try:
+        text = metadata.distribution(name).read_text("direct_url.json")
+    except metadata.PackageNotFoundError:
+        return None
+    return (json.loads(text).get("vcs_info") or {}).get("commit_id") if text else None
+
+
+def core_package_rows(lock: Path, installed: dict[str, str], commit_of=_recorded_commit) -> list[Check]:
+    """The packages the pipeline's code depends on (pipeline/run/image.py) against the lock's pins: the
+    image keeps the base's versions, and for these a version outside the lock's is a FAIL naming both."""
+    from pipeline.run.image import CORE_PACKAGES, COMMIT
+
+    rows = []
+    for requirement in _requirements(lock):
+        name = _canonical(requirement.name)
+        if name not in CORE_PACKAGES:
+            continue
+        have = installed.get(name)
+        if requirement.url:
+            wanted = COMMIT.search(requirement.url)
+            commit = commit_of(requirement.name) if have else None
+            if have is None:
+                found, status = "missing", "FAIL"
+            elif commit is None or wanted is None:
+                found, status = f"{have} (no commit recorded by its install: not compared)", "warn"
+            else:
+                found = f"{have} at commit {commit}"
+                status = _status(commit == wanted.group(1), True)
+            needs = f"commit {wanted.group(1) if wanted else requirement.url}"
+        else:
+            needs = str(requirement.specifier).removeprefix("==")
+            found = have or "missing"
+            status = _status(have is not None and requirement.specifier.contains(have, prereleases=True), True)
+        rows.append(Check(f"code depends on: {requirement.name}", f"lock {needs}", found, status))
+    return rows
 
 
 def table(rows: list[Check]) -> str:

@@ -48,6 +48,8 @@ def run(args: argparse.Namespace) -> Path:
                                                                                    record.get("commit"))):
         directory = home.source_dir()
         hf_dir.validate(directory)
+        if home.source.kind == "hub":
+            link_hub_source(home)  # a download made before the link existed gets it too
         print(f"{args.model} is already downloaded and valid ({directory}); nothing to do (FORCE=1 to replace).")
         return directory
     kind = home.source.kind
@@ -75,6 +77,7 @@ def run(args: argparse.Namespace) -> Path:
     else:
         commit = _download_hub(home.source.repo_id, revision or "main")
         home.write_record(repo_id=home.source.repo_id, revision=revision or "main", commit=commit)
+        link_hub_source(home)
     directory = home.source_dir()
     report = hf_dir.validate(directory)
     print(f"checkpoint ready: {directory} ({len(report.tensors)} tensors, "
@@ -94,6 +97,24 @@ def _revision(source: store.Source, asked: str | None) -> str | None:
             f"pin it in configs/models.toml: revision = the 40-hex sha printed by `python -c \"from huggingface_hub "
             f"import model_info; print(model_info('{source.repo_id}').sha)\"` (or REVISION=<sha>).")
     return revision
+
+
+def link_hub_source(home: store.ModelHome) -> Path:
+    """<key>/source → the Hub snapshot in the HF cache: the path a cluster's run.json names (launch), the
+    same on every node that mounts the checkpoints root. Relative when the cache lives under that root (an
+    HF_HOME on the shared filesystem), so the link holds at any mount point."""
+    snapshot = home.source_dir()
+    try:
+        target = Path(os.path.relpath(snapshot, home.dir)) if snapshot.is_relative_to(home.root) else snapshot
+    except ValueError:
+        target = snapshot
+    tmp = home.dir / ".source.link"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(target, target_is_directory=True)
+    if home.local_source.is_dir() and not home.local_source.is_symlink():
+        shutil.rmtree(home.local_source)
+    os.replace(tmp, home.local_source)
+    return home.local_source
 
 
 def _download_hub(repo_id: str, revision: str) -> str:

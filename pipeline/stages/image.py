@@ -24,17 +24,18 @@ from pathlib import Path
 
 from pipeline.errors import PipelineError
 from pipeline.run import store, targets
-from pipeline.run.image import DEFAULT_BASE_IMAGE, build_key, check_lock, default_tag, lock_sha256
+from pipeline.run.image import CORE_PACKAGES, DEFAULT_BASE_IMAGE, build_key, check_lock, default_tag, lock_sha256
 
 # Where pip inside the base image finds what the lock adds (a user's PIP_INDEX_URL/PIP_EXTRA_INDEX_URL
 # wins): PyPI, then AWS's Neuron pip repository and PyTorch's CPU wheel index, as AWS's TorchNeuron
 # install pages give them (setup/pytorch/update-manual, 2.33). No CI-only variable is needed.
 NEURON_PIP_INDEXES = "https://pip.repos.neuron.amazonaws.com https://download.pytorch.org/whl/cpu"
 # What a stage in the image reads from the caller's environment (values never printed).
-PASSED_THROUGH = ("HF_TOKEN", "TARGET", "PIPELINE_REQUIRE_PINNED")
+PASSED_THROUGH = ("HF_TOKEN", "HF_HUB_OFFLINE", "HF_ENDPOINT", "TARGET", "PIPELINE_REQUIRE_PINNED")
 WHEELHOUSE_RECORDS = ("requirements.hashed.txt", "image-packages.txt", "differences.txt", "lock.txt")
 IMAGE_CHECKPOINTS = "/checkpoints"
-IMAGE_HF_CACHE = "/hf-cache"
+IMAGE_HF_CACHE = "/hf-cache"  # the image's HF_HOME; a host HF_HUB_CACHE is mounted at its hub/ (the default)
+IMAGE_HUB_CACHE = f"{IMAGE_HF_CACHE}/hub"
 # Where the image's TorchNeuron finds its NEFF cache (the Dockerfile's TORCH_NEURONX_NEFF_CACHE_DIR); the
 # host's persistent cache is bind-mounted there so a second run with the same shapes does not recompile.
 IMAGE_COMPILE_CACHE = targets.DEFAULT_NEFF_CACHE
@@ -60,7 +61,10 @@ class ContainerRun:
     hf_cache: Path
     compile_cache: Path
     devices: list[str] = field(default_factory=list)
+    # Supplementary groups of the container user: those owning devices it could not open otherwise.
+    group_add: list[int] = field(default_factory=list)
     network_host: bool = True
+    hub_cache: Path | None = None  # HF_HUB_CACHE when the user set one apart from HF_HOME
     shm_size: str = "8g"
 
 
@@ -109,13 +113,50 @@ def pip_environment(environ: dict) -> dict:
     return pip_env
 
 
-def ensure_base(engine, base_image: str) -> None:
-    """Pull the base image when the engine does not have it, with the registry's progress."""
+# How to find the base when it does not exist. The 2.33 TorchNeuron DLC's repository name is in no source
+# read for this project (docs/trn2.md); AWS's list of Neuron DLCs (awsdocs-neuron v2.33.0,
+# deploy/environments/dlc-images, "Neuron Deep Learning Containers") sends readers to
+# github.com/aws-neuron/deep-learning-containers "for the exact published tags".
+LOOK_UP_BASE = ("find the Neuron 2.33 \"PyTorch Training (TorchNeuron)\" DLC's repository and tag in "
+                "github.com/aws-neuron/deep-learning-containers (linked from AWS's Neuron DLC list, "
+                "awsdocs-neuron deploy/environments/dlc-images), or with `aws ecr-public describe-images --region "
+                "us-east-1 --repository-name neuron/<name>`, then pass BASE_IMAGE=<repository>@sha256:<digest>.")
+# What a registry says when the name or tag is not there (Docker's pull errors, by registry).
+NOT_FOUND = ("not found", "manifest unknown", "does not exist", "repository name not known", "name unknown")
+
+
+@dataclass(frozen=True)
+class BaseImage:
+    """The base as the engine resolved it: what the image records about where it came from."""
+
+    name: str
+    image_id: str  # the local image id (sha256 of its config)
+    digest: str | None  # the registry's manifest digest, None for a base made locally
+
+    @property
+    def recorded_digest(self) -> str:
+        return self.digest or self.image_id
+
+
+def _base_missing(base_image: str, reason: str) -> PipelineError:
+    unconfirmed = (" (the default BASE_IMAGE, whose repository name no source read for this project confirms)"
+                   if base_image == DEFAULT_BASE_IMAGE else "")
+    return PipelineError(f"base image {base_image}{unconfirmed} does not exist: {reason}", LOOK_UP_BASE)
+
+
+def _pull_failed(base_image: str, reason: str) -> PipelineError:
+    if any(marker in reason.lower() for marker in NOT_FOUND):
+        return _base_missing(base_image, reason)
+    return PipelineError(f"pulling {base_image} failed: {reason}",
+                         "check the network and registry login (or pass BASE_IMAGE=).")
+
+
+def ensure_base(engine, base_image: str) -> BaseImage:
+    """Inspect the base, pulling it (with the registry's progress) when the engine lacks it; its digest."""
     import docker
 
     try:
-        engine.images.get(base_image)
-        return
+        return _resolved(base_image, engine.images.get(base_image))
     except docker.errors.ImageNotFound:
         pass
     print(f"pulling the base image {base_image} (not in the engine yet; several GB the first time) …", flush=True)
@@ -124,17 +165,30 @@ def ensure_base(engine, base_image: str) -> None:
     try:
         for chunk in engine.api.pull(base_image, stream=True, decode=True):
             if "error" in chunk:
-                raise PipelineError(f"pulling {base_image} failed: {chunk['error'].strip()}",
-                                    "check the image name, network and registry login (or pass BASE_IMAGE=).")
+                raise _pull_failed(base_image, chunk["error"].strip())
             layer, status = chunk.get("id", ""), chunk.get("status", "")
             if last.get(layer) != status or (chunk.get("progress") and time.monotonic() - shown > 5):
                 last[layer] = status
                 shown = time.monotonic()
                 print(f"  {layer + ': ' if layer else ''}{status} {chunk.get('progress', '')}".rstrip(), flush=True)
     except docker.errors.APIError as err:
-        raise PipelineError(f"pulling {base_image} failed: {err.explanation or err}",
-                            "check the image name, network and registry login (or pass BASE_IMAGE=).") from err
-    engine.images.get(base_image)  # raises if the pull did not produce it
+        raise _pull_failed(base_image, str(err.explanation or err).strip()) from err
+    try:
+        return _resolved(base_image, engine.images.get(base_image))
+    except docker.errors.ImageNotFound as err:
+        raise _base_missing(base_image, "the pull finished without it") from err
+
+
+def _resolved(base_image: str, found) -> BaseImage:
+    """The digest of the repository the name refers to, when the engine has it from a registry."""
+    repository = base_image.split("@", 1)[0]
+    if ":" in repository.rsplit("/", 1)[-1]:
+        repository = repository.rsplit(":", 1)[0]
+    digests = found.attrs.get("RepoDigests") or []
+    digest = next((d.split("@", 1)[1] for d in digests if d.split("@", 1)[0] == repository), None)
+    if "@" in base_image:
+        digest = base_image.split("@", 1)[1]  # pinned by digest: that is what it is
+    return BaseImage(base_image, found.id, digest)
 
 
 def make_wheelhouse(spec: BuildSpec, engine) -> Path:
@@ -143,7 +197,9 @@ def make_wheelhouse(spec: BuildSpec, engine) -> Path:
     if all((spec.wheelhouse / name).exists() for name in WHEELHOUSE_RECORDS):
         return spec.wheelhouse  # complete: made by this code for this lock and base
     spec.wheelhouse.mkdir(parents=True, exist_ok=True)
-    pip_env = pip_environment(dict(os.environ))
+    refused = spec.wheelhouse / "refused.txt"
+    refused.unlink(missing_ok=True)
+    pip_env = {**pip_environment(dict(os.environ)), "CORE_PACKAGES": ",".join(CORE_PACKAGES)}
     volumes = {str(spec.wheelhouse.resolve()): {"bind": "/wheels", "mode": "rw"},
                str(spec.lock.resolve()): {"bind": "/lock/requirements.lock", "mode": "ro"},
                str(store.REPO / "docker"): {"bind": "/pipeline-docker", "mode": "ro"}}
@@ -154,6 +210,11 @@ def make_wheelhouse(spec: BuildSpec, engine) -> Path:
                             volumes=volumes, environment=pip_env, user="0", network_mode="host")
     if code != 0 or not hashed.exists():
         hashed.unlink(missing_ok=True)
+        if refused.exists():
+            raise PipelineError(f"base image {spec.base_image} has other versions of packages the pipeline's code "
+                                f"depends on: {refused.read_text().strip()}.",
+                                "build on a base with the lock's versions, or change requirements.lock to the "
+                                "base's versions and run the tests on them.")
         raise PipelineError(f"making the wheelhouse in {spec.base_image} failed (status {code}).",
                             "read pip's error above; the base image needs a Python with pip, and network or "
                             "--pip-mount'ed indexes.")
@@ -181,12 +242,14 @@ def build(spec: BuildSpec, engine=None) -> dict:
     check_lock(spec.lock)  # a placeholder or wildcard pin is refused before anything is pulled or built
     engine = engine or client()
     started = time.monotonic()
-    ensure_base(engine, spec.base_image)
+    base = ensure_base(engine, spec.base_image)
+    print(f"base image {base.name}: {base.recorded_digest}"
+          + ("" if base.digest else " (made locally: no registry digest)"), flush=True)
     make_wheelhouse(spec, engine)
     with tempfile.TemporaryDirectory(prefix="pipeline-context-") as tmp:
         context = build_context(spec, Path(tmp) / "context.tar")
-        buildargs = {"BASE_IMAGE": spec.base_image, "PYTHON": spec.python, "LOCK_SHA256": lock_sha256(spec.lock),
-                     "PIPELINE_REVISION": _git_revision()}
+        buildargs = {"BASE_IMAGE": spec.base_image, "BASE_DIGEST": base.recorded_digest, "BASE_IMAGE_ID": base.image_id,
+                     "PYTHON": spec.python, "LOCK_SHA256": lock_sha256(spec.lock), "PIPELINE_REVISION": _git_revision()}
         print(f"building {spec.tag} from {spec.base_image} ({context.stat().st_size / 2**20:.0f} MiB context)",
               flush=True)
         with open(context, "rb") as fileobj:
@@ -202,7 +265,8 @@ def build(spec: BuildSpec, engine=None) -> dict:
     image = engine.images.get(spec.tag)
     seconds = time.monotonic() - started
     print(f"built {spec.tag} ({image.short_id}, {image.attrs['Size'] / 2**20:.0f} MiB) in {seconds:.0f} s")
-    return {"tag": spec.tag, "id": image.id, "size_bytes": image.attrs["Size"], "seconds": seconds}
+    return {"tag": spec.tag, "id": image.id, "size_bytes": image.attrs["Size"], "seconds": seconds,
+            "base_digest": base.recorded_digest}
 
 
 def _git_revision() -> str:
@@ -216,13 +280,28 @@ def _git_revision() -> str:
 def container_run(image: str, argv: list[str]) -> ContainerRun:
     hf_cache = Path(os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface")
     compile_cache = Path(os.environ.get("PIPELINE_COMPILE_CACHE") or Path.home() / ".cache" / "neuron-compile-cache")
+    devices = host_devices()
+    hub_cache = Path(os.environ["HF_HUB_CACHE"]) if os.environ.get("HF_HUB_CACHE") else None
     return ContainerRun(image=image, argv=list(argv), checkpoints=store.checkpoints_root().resolve(),
-                      hf_cache=hf_cache, compile_cache=compile_cache, devices=host_devices())
+                        hf_cache=hf_cache, compile_cache=compile_cache, devices=devices,
+                        group_add=device_groups(devices), hub_cache=hub_cache)
 
 
-def host_devices() -> list[str]:
+def host_devices(dev: Path = Path("/dev")) -> list[str]:
     """Every Neuron device, plus the EFA verbs devices multi-node collectives need."""
-    return sorted(glob.glob("/dev/neuron[0-9]*")) + sorted(glob.glob("/dev/infiniband/uverbs*"))
+    return sorted(glob.glob(str(dev / "neuron[0-9]*"))) + sorted(glob.glob(str(dev / "infiniband" / "uverbs*")))
+
+
+def device_groups(devices: list[str]) -> list[int]:
+    """The groups owning devices that others may not read and write: AWS's hardening sets /dev/neuron* to
+    root:neuron 0660 (about-neuron/security.rst), and Docker creates the container's nodes with the host's
+    owner and mode, so the container user opens them only as a member of that group."""
+    groups = set()
+    for device in devices:
+        info = os.stat(device)
+        if info.st_mode & 0o006 != 0o006:
+            groups.add(info.st_gid)
+    return sorted(groups)
 
 
 def _writable_for_image_user(directory: Path) -> None:
@@ -247,11 +326,18 @@ def run_in_image(request: ContainerRun, engine=None) -> int:
     # Only the name is ever printed; the value goes to the engine and nowhere else.
     environment = {k: os.environ[k] for k in PASSED_THROUGH if os.environ.get(k)}
     environment[targets.NEFF_CACHE_ENV] = IMAGE_COMPILE_CACHE  # never a host path the container cannot see
+    if request.hub_cache:  # the host's hub cache where the image's huggingface_hub looks for it
+        _writable_for_image_user(request.hub_cache)
+        volumes[str(request.hub_cache)] = {"bind": IMAGE_HUB_CACHE, "mode": "rw"}
+        environment["HF_HUB_CACHE"] = IMAGE_HUB_CACHE
     # The caller's own uid, so outputs on the mounts belong to them; root gets the image's user.
     user = None if os.geteuid() == 0 else f"{os.geteuid()}:{os.getegid()}"
     extra = {"cap_add": ["IPC_LOCK"], "ulimits": [_memlock_unlimited()]} if request.devices else {}
+    if request.group_add:
+        extra["group_add"] = [str(gid) for gid in request.group_add]
+    groups = f", groups {', '.join(map(str, request.group_add))}" if request.group_add else ""
     print(f"running in {request.image}: python -m pipeline {' '.join(request.argv)} "
-          f"({len(request.devices)} devices; env {sorted(environment) or 'none'})", flush=True)
+          f"({len(request.devices)} devices{groups}; env {sorted(environment) or 'none'})", flush=True)
     return stream_container(engine, request.image, request.argv, volumes=volumes, environment=environment,
                             user=user, devices=[f"{d}:{d}:rwm" for d in request.devices],
                             network_mode="host" if request.network_host else None, shm_size=request.shm_size,

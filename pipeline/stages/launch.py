@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.errors import PipelineError
+from pipeline.fsutil import atomic_write_text
 from pipeline.models import registry
-from pipeline.run import store, targets
+from pipeline.run import pushed, store, targets
 from pipeline.run.image import default_tag
 from pipeline.run.spec import RunSpec
 from pipeline.training import torchrun
@@ -36,6 +38,14 @@ EFA_DEVICES_PER_NODE = 16
 IMAGE_PYTHON = "/opt/pipeline-venv/bin/python"  # the venv the Dockerfile builds
 IMAGE_WORKDIR = "/opt/pipeline"
 RUN_JSON_IN_POD = "/etc/pipeline/run.json"
+# Hugging Face settings a user's environment gives the launch, written into the launch files so every
+# node's huggingface_hub reads the same cache. HF_TOKEN is a secret: never written to a file (the
+# sbatch job inherits it from the submitting shell; EKS reads it from a Secret).
+HF_PASSED = ("HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "HF_ENDPOINT")
+HF_TOKEN_SECRET = "hf-token"  # kubectl create secret generic hf-token --from-literal=token=$HF_TOKEN
+# EKS: how many times a failed node's trainer container is restarted (in its pod, same DNS name) before the
+# Job gives up, per node; each restart rejoins the rendezvous and resumes from the last complete checkpoint.
+RESTARTS_PER_NODE = 3
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,11 @@ class LaunchPlan:
     namespace: str
     pvc: str
     spec: RunSpec
+    partition: str | None = None
+    account: str | None = None
+    time_limit: str | None = None
+    job_name: str | None = None
+    hf_env: dict | None = None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,6 +76,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int)
     parser.add_argument("--seq-len", type=int)
     parser.add_argument("--nproc-per-node", type=int, help="ranks per node (default: the target's config)")
+    # The rest of what `train` takes, resolved the same way: the cluster's run.json is train's dry run.
+    parser.add_argument("--config", type=Path, help="your config file, layered over configs/<target>.toml key by key")
+    parser.add_argument("--dataset", help="as train's --dataset (default: the config's)")
+    parser.add_argument("--revision", help="the Hub revision the run must start from (as downloaded)")
+    parser.add_argument("--titan-args", default="", help="torchtitan flags over the built config, as train's")
+    parser.add_argument("--dry-run", action="store_true", help="print the run.json and the files, write nothing")
+    parser.add_argument("--fresh", action="store_true", help=argparse.SUPPRESS)  # refused: see plan()
     parser.add_argument("--target", default="trn2", choices=tuple(LAUNCH_ENV),
                         help="trn2 nodes; cpu renders the same files for CPU machines (the rehearsal runs them)")
     parser.add_argument("--image", help="image reference the cluster can pull (default: the lock-derived tag)")
@@ -76,11 +98,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", type=Path, help="where to write (default: checkpoints/<key>/launch/<scheduler>-<N>)")
     parser.add_argument("--run-dir", help="the run's directory as the nodes see it "
                         "(default: <cluster checkpoints>/<key>/runs/<path>)")
+    slurm = parser.add_argument_group("slurm job options")
+    slurm.add_argument("--partition", help="sbatch --partition (default: the cluster's default partition)")
+    slurm.add_argument("--account", help="sbatch --account")
+    slurm.add_argument("--time-limit", help="sbatch --time, e.g. 04:00:00 (default: the partition's limit)")
+    slurm.add_argument("--job-name", help="sbatch --job-name (default: qwen3-<model key>-<path>)")
 
 
 def plan(args: argparse.Namespace) -> LaunchPlan:
     if args.nodes < 1:
         raise PipelineError(f"NODES={args.nodes} must be at least 1.", "give NODES ≥ 1.")
+    if getattr(args, "fresh", False):
+        raise PipelineError("FRESH=1 with a cluster launch would discard the run's checkpoints on every requeue.",
+                            "delete <run dir>/checkpoint on the shared filesystem before submitting instead.")
     default_ckpt = "/fsx/checkpoints" if args.scheduler == "slurm" else "/checkpoints"
     cluster_ckpt = args.cluster_checkpoints or default_ckpt
     if not cluster_ckpt.startswith("/"):
@@ -88,14 +118,46 @@ def plan(args: argparse.Namespace) -> LaunchPlan:
     # The trn2 run with the paths the nodes see; TP/FSDP checked against the multi-node world.
     spec = resolve(RunRequest(model=args.model, path=args.path, target=args.target, steps=args.steps,
                               seq_len=args.seq_len, nproc_per_node=args.nproc_per_node, nnodes=args.nodes,
+                              config=getattr(args, "config", None), dataset=getattr(args, "dataset", None),
+                              revision=getattr(args, "revision", None),
+                              titan_args=tuple(shlex.split(getattr(args, "titan_args", "") or "")),
                               dry_run=True, checkpoints_root=Path(cluster_ckpt),
                               run_dir=Path(args.run_dir) if args.run_dir else None))
+    cluster_home = store.home(args.model, Path(cluster_ckpt))
+    if cluster_home.source.kind == "hub":
+        # The nodes read the Hub snapshot through <key>/source, the link `make download` leaves under the
+        # shared root (this host's HF cache path would mean nothing on them).
+        spec.source_dir = str(cluster_home.local_source)
     output = args.output or store.home(args.model).launch / f"{args.scheduler}-{args.nodes}"
+    needs_image = args.scheduler == "eks" or args.runtime == "pyxis"
+    image = cluster_image(args.image, needs_image and not getattr(args, "local_image_ok", False))
     return LaunchPlan(
-        scheduler=args.scheduler, nodes=args.nodes, image=args.image or default_tag(), runtime=args.runtime,
+        scheduler=args.scheduler, nodes=args.nodes, image=image, runtime=args.runtime,
         venv=args.venv or str(store.REPO / ".venv"), cluster_checkpoints=cluster_ckpt,
         compile_cache=args.compile_cache or f"{cluster_ckpt}/.neuron-compile-cache", output=Path(output),
-        namespace=args.namespace, pvc=args.pvc, spec=spec)
+        namespace=args.namespace, pvc=args.pvc, spec=spec, partition=getattr(args, "partition", None),
+        account=getattr(args, "account", None), time_limit=getattr(args, "time_limit", None),
+        job_name=getattr(args, "job_name", None), hf_env=hf_environment(os.environ))
+
+
+def cluster_image(given: str | None, required: bool) -> str:
+    """The image the nodes pull: pinned by digest, from a registry. Default: what `make push` pushed
+    of this lock's image. A local tag would be looked up on Docker Hub by pyxis/kubelet: refused."""
+    local = default_tag()
+    image = given or pushed.reference(local) or local
+    if required and not pushed.is_pinned(image):
+        recorded = pushed.reference(image)
+        if recorded:  # IMAGE=<the local tag> that was pushed: use its pushed digest
+            return recorded
+        raise PipelineError(f"image {image!r} is not a registry reference pinned by digest (the nodes cannot pull "
+                            "a local tag): push first.",
+                            "run `make push REGISTRY=<registry>/<repo>` (launch then uses the pushed digest), or give "
+                            "IMAGE=<registry>/<repo>@sha256:<digest>.")
+    return image
+
+
+def hf_environment(environ) -> dict:
+    return {k: environ[k] for k in HF_PASSED if environ.get(k)}
 
 
 def node_command(spec: RunSpec, python: str, run_json: str) -> str:
@@ -109,14 +171,28 @@ def _env_lines(plan_: LaunchPlan) -> dict:
     cache = {targets.NEFF_CACHE_ENV: plan_.compile_cache} if target == "trn2" else {}
     # The target's run-size-dependent variables as `train` sets them (the nodes' memory assumed this host's).
     sized = targets.TARGETS[target].launch_vars({}, host_need(plan_.spec))
-    return {**sized, **LAUNCH_ENV[target], **cache,
+    return {**sized, **LAUNCH_ENV[target], **cache, **(plan_.hf_env or {}),
             "PIPELINE_CHECKPOINTS": plan_.cluster_checkpoints, "PYTHONUNBUFFERED": "1"}
+
+
+def sbatch_options(plan_: LaunchPlan) -> list[str]:
+    """The #SBATCH lines: the job's name, size, where it may run and for how long, and its log per job."""
+    spec = plan_.spec
+    # Requeue (after a node failure, a preemption, `scontrol requeue`) resumes from the last complete
+    # checkpoint only when the run writes checkpoints; without them a requeue would start over.
+    resumable = spec.settings.checkpoint_interval > 0
+    options = [f"--job-name={plan_.job_name or f'qwen3-{spec.model_key}-{spec.path}'}",
+               f"--nodes={plan_.nodes}", "--ntasks-per-node=1", "--exclusive",
+               f"--output={plan_.output}/slurm-%j.out", "--requeue" if resumable else "--no-requeue"]
+    for flag, value in (("partition", plan_.partition), ("account", plan_.account), ("time", plan_.time_limit)):
+        if value:
+            options.append(f"--{flag}={value}")
+    return [f"#SBATCH {shlex.quote(option)}" for option in options]
 
 
 def render_slurm(plan_: LaunchPlan) -> dict[str, str]:
     spec = plan_.spec
     run_json = str(plan_.output / "run.json")
-    log_dir = plan_.output
     if plan_.runtime == "pyxis":
         mounts = ",".join(sorted({f"{plan_.cluster_checkpoints}:{plan_.cluster_checkpoints}",
                                   f"{plan_.compile_cache}:{plan_.compile_cache}", f"{plan_.output}:{plan_.output}"}))
@@ -126,20 +202,21 @@ def render_slurm(plan_: LaunchPlan) -> dict[str, str]:
     else:
         runtime, python, workdir = "", f"{plan_.venv}/bin/python", str(store.REPO)
     exports = "\n".join(f"export {k}={shlex.quote(v)}" for k, v in _env_lines(plan_).items())
+    options = "\n".join(sbatch_options(plan_))
     script = f"""#!/bin/bash
 # Rendered by `python -m pipeline launch --scheduler slurm` for {spec.model_key} ({spec.path} path).
 # One task per node; torchrun on each starts {spec.settings.nproc_per_node} ranks and meets the others through
 # c10d rendezvous on the first node. Submit with: sbatch {plan_.output / "train.sbatch"}
-#SBATCH --job-name=qwen3-{spec.model_key}-{spec.path}
-#SBATCH --nodes={plan_.nodes}
-#SBATCH --ntasks-per-node=1
-#SBATCH --exclusive
-#SBATCH --output={log_dir}/slurm-%j.out
+# HF_TOKEN, when the run needs one, comes from the submitting shell's environment (sbatch exports it);
+# it is never written here.
+{options}
 set -euo pipefail
 
 {exports}
-MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
-export MASTER_ADDR
+# The first node's address as Slurm knows it (NodeAddr; its hostname where NodeAddr is unset).
+MASTER_NODE="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+MASTER_ADDR="$(scontrol show node "$MASTER_NODE" -o | sed -n 's/.* NodeAddr=\\([^ ]*\\).*/\\1/p')"
+export MASTER_ADDR="${{MASTER_ADDR:-$MASTER_NODE}}"
 export MASTER_PORT="${{MASTER_PORT:-{RDZV_PORT}}}"
 export RDZV_ID="$SLURM_JOB_ID"
 {f'mkdir -p "${targets.NEFF_CACHE_ENV}"' if spec.target == "trn2" else ""}
@@ -161,6 +238,9 @@ def render_eks(plan_: LaunchPlan) -> dict[str, str]:
     name = f"qwen3-{spec.model_key.lower()}-{spec.path}".replace("_", "-").replace(".", "-")[:50].strip("-")
     labels = {"app.kubernetes.io/name": name}
     env = {**_env_lines(plan_), "MASTER_ADDR": f"{name}-0.{name}", "MASTER_PORT": str(RDZV_PORT), "RDZV_ID": name}
+    # HF_TOKEN from a Secret (never in the manifest); optional: public models need none.
+    token = {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": HF_TOKEN_SECRET, "key": "token",
+                                                                 "optional": True}}}
     resources = {"aws.amazon.com/neuron": NEURON_DEVICES_PER_NODE, "vpc.amazonaws.com/efa": EFA_DEVICES_PER_NODE}
     config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{name}-run", "labels": labels},
                   "data": {"run.json": json.dumps(spec.to_dict(), indent=2)}}
@@ -171,7 +251,7 @@ def render_eks(plan_: LaunchPlan) -> dict[str, str]:
     container = {
         "name": "trainer", "image": plan_.image, "workingDir": IMAGE_WORKDIR,
         "command": ["bash", "-c", node_command(spec, IMAGE_PYTHON, RUN_JSON_IN_POD)],
-        "env": [{"name": k, "value": v} for k, v in env.items()],
+        "env": [{"name": k, "value": v} for k, v in env.items()] + [token],
         "resources": {"requests": dict(resources), "limits": dict(resources)},
         "securityContext": {"capabilities": {"add": ["IPC_LOCK"]}},  # EFA pins memory
         "volumeMounts": [{"name": "checkpoints", "mountPath": plan_.cluster_checkpoints},
@@ -181,11 +261,14 @@ def render_eks(plan_: LaunchPlan) -> dict[str, str]:
     job = {
         "apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name, "labels": labels},
         "spec": {
-            "completionMode": "Indexed", "completions": plan_.nodes, "parallelism": plan_.nodes, "backoffLimit": 0,
+            # A failed trainer restarts in its pod (OnFailure: same pod, same DNS name for the rendezvous) and
+            # resumes from the run's last complete checkpoint on the shared volume, up to backoffLimit times.
+            "completionMode": "Indexed", "completions": plan_.nodes, "parallelism": plan_.nodes,
+            "backoffLimit": RESTARTS_PER_NODE * plan_.nodes,
             "template": {
                 "metadata": {"labels": labels},
                 "spec": {
-                    "subdomain": name, "restartPolicy": "Never",
+                    "subdomain": name, "restartPolicy": "OnFailure",
                     "nodeSelector": {"node.kubernetes.io/instance-type": "trn2.48xlarge"},
                     "affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
                         {"labelSelector": {"matchLabels": labels}, "topologyKey": "kubernetes.io/hostname"}]}},
@@ -202,17 +285,44 @@ def render_eks(plan_: LaunchPlan) -> dict[str, str]:
     for doc in (config_map, service, job):
         doc["metadata"]["namespace"] = plan_.namespace
     text = "# Rendered by `python -m pipeline launch --scheduler eks`. Apply: kubectl apply -f job.yaml\n"
-    return {"job.yaml": text + yaml.safe_dump_all([config_map, service, job], sort_keys=False)}
+    stage = staging_job(plan_, name, labels, token)
+    stage_text = ("# Stages the model and the training data on the shared volume before job.yaml runs:\n"
+                  "#   kubectl apply -f stage.yaml && kubectl wait --for=condition=complete job/" + name + "-stage\n")
+    return {"job.yaml": text + yaml.safe_dump_all([config_map, service, job], sort_keys=False),
+            "stage.yaml": stage_text + yaml.safe_dump(stage, sort_keys=False)}
+
+
+def staging_job(plan_: LaunchPlan, name: str, labels: dict, token: dict) -> dict:
+    """One pod that runs `download` and `data` in the image onto the shared volume: what the nodes read."""
+    spec = plan_.spec
+    steps = [[IMAGE_PYTHON, "-m", "pipeline", "download", "--model", spec.model],
+             [IMAGE_PYTHON, "-m", "pipeline", "data", "--model", spec.model]]
+    # The Hub cache on the volume unless HF_HOME says otherwise: the image's own /hf-cache dies with the pod.
+    env = {"PIPELINE_CHECKPOINTS": plan_.cluster_checkpoints, "PYTHONUNBUFFERED": "1",
+           "HF_HOME": f"{plan_.cluster_checkpoints}/.hf-home", **(plan_.hf_env or {})}
+    container = {"name": "stage", "image": plan_.image, "workingDir": IMAGE_WORKDIR,
+                 "command": ["bash", "-c", " && ".join(shlex.join(step) for step in steps)],
+                 "env": [{"name": k, "value": v} for k, v in env.items()] + [token],
+                 "volumeMounts": [{"name": "checkpoints", "mountPath": plan_.cluster_checkpoints}]}
+    return {"apiVersion": "batch/v1", "kind": "Job",
+            "metadata": {"name": f"{name}-stage", "labels": labels, "namespace": plan_.namespace},
+            "spec": {"backoffLimit": 2, "template": {"metadata": {"labels": labels}, "spec": {
+                "restartPolicy": "OnFailure", "containers": [container],
+                "volumes": [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": plan_.pvc}}]}}}}
 
 
 def run(args: argparse.Namespace) -> dict[str, Path]:
     plan_ = plan(args)
     rendered = render_slurm(plan_) if plan_.scheduler == "slurm" else render_eks(plan_)
+    if getattr(args, "dry_run", False):
+        for name, text in rendered.items():
+            print(f"==> {plan_.output / name} (not written: dry run)\n{text}")
+        return {}
     plan_.output.mkdir(parents=True, exist_ok=True)
     written = {}
     for name, text in rendered.items():
         path = plan_.output / name
-        path.write_text(text)
+        atomic_write_text(path, text)
         if name.endswith(".sbatch"):
             path.chmod(0o755)
         written[name] = path

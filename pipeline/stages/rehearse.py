@@ -249,7 +249,8 @@ def _render(args, scheduler: str, out: Path) -> tuple[Path, dict]:
         scheduler=scheduler, nodes=args.nodes, model=args.model, path="native", steps=args.steps, seq_len=None,
         nproc_per_node=1, target=rehearsal.HOST_TARGET, image=None, runtime="venv", venv=str(Path(sys.executable).parent.parent),
         cluster_checkpoints=str(store.checkpoints_root().resolve()), compile_cache=None, namespace="default",
-        pvc="fsx-claim", output=out / "files", run_dir=str(run_dir))
+        pvc="fsx-claim", output=out / "files", run_dir=str(run_dir),
+        local_image_ok=True)  # the rehearsal runs the pods' command here, no image is pulled
     written = launch.run(launch_args)
     return run_dir, written
 
@@ -277,7 +278,7 @@ def node_commands(scheduler: str, written: dict, nodes: int, port: int) -> tuple
     # The pod's image paths → this machine's: the image's venv python and the ConfigMap's mount.
     command = (container["command"][-1].replace(launch.IMAGE_PYTHON, sys.executable)
                .replace(launch.RUN_JSON_IN_POD, str(run_json)))
-    env = {**base, **{e["name"]: e["value"] for e in container["env"]},
+    env = {**base, **{e["name"]: e["value"] for e in container["env"] if "value" in e},
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # the pod-0 DNS name and port → this machine
     return [(command, {**env, "JOB_COMPLETION_INDEX": str(i), "NODE_RANK": str(i)}) for i in range(nodes)], run_json
 

@@ -85,9 +85,14 @@ def _rope_case(b: int, s: int, hq: int, hkv: int, d: int, lnc: int, theta: float
     def run(cls, extra, inp, dtype, device):
         import torch
 
-        mod = cls(cls.Config(dim=d, max_seq_len=s, theta=theta, **extra)).to(device)
+        from pipeline.titan import api
+
+        mod = cls(api.rope_config(cls, dim=d, max_len=s, theta=theta, **extra)).to(device)
         leaves = {n: _leaf(inp[n], dtype, device) for n in ("q", "k")}
-        oq, ok = mod(leaves["q"], leaves["k"], inp["positions"].to(device))
+        # torchtitan main's RoPE takes [T, H, D] packed tokens (#4121): the same rows, folded.
+        fold = (lambda t: t.flatten(0, 1)) if api.folded_batch() else (lambda t: t)
+        unfold = (lambda t: t.unflatten(0, (b, s))) if api.folded_batch() else (lambda t: t)
+        oq, ok = (unfold(t) for t in mod(fold(leaves["q"]), fold(leaves["k"]), fold(inp["positions"].to(device))))
         torch.autograd.backward([oq, ok], [inp["gq"].to(device, dtype), inp["gk"].to(device, dtype)])
         return {"q": oq, "k": ok, "dq": leaves["q"].grad, "dk": leaves["k"].grad}
 
@@ -183,7 +188,11 @@ def _experts_case(t: int, k: int, d: int, f: int, e: int) -> Case:
         x = _leaf(inp["x"], dtype, device)
         ids = inp["ids"].to(device)
         counts = torch.zeros(1, t, e, dtype=torch.bool, device=device).scatter_(-1, ids, True).sum(dim=(0, 1))
-        out = mod(x, inp["scores"].to(device, torch.float32), ids, counts)
+        from pipeline.titan import api
+
+        # torchtitan main's MoE takes [T, …] tokens (#4121): the one row, folded.
+        fold = (lambda v: v.flatten(0, 1)) if api.folded_batch() else (lambda v: v)
+        out = mod(fold(x), fold(inp["scores"].to(device, torch.float32)), fold(ids), counts).view(1, t, d)
         out.backward(inp["gout"].to(device, dtype))
         return {"out": out, "dx": x.grad, "dw1": experts.w1_EFD.grad, "dw2": experts.w2_EDF.grad,
                 "dw3": experts.w3_EFD.grad}

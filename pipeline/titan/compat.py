@@ -22,6 +22,7 @@ import sys
 from dataclasses import dataclass
 
 from pipeline.errors import PipelineError
+from pipeline.titan import api
 
 _applied: set[str] = set()
 
@@ -139,12 +140,6 @@ def all_partial_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZ
                                     seq_lengths=(Q_LEN, KV_LEN))
 
 
-# torchtitan 0.3.0's own text datasets (torchtitan/hf_datasets/text_datasets.py DATASETS) and the
-# path each reads, named here so the launcher checks DATASET= without importing torchtitan;
-# tests/test_titan_compat.py keeps this equal to the installed registry.
-TITAN_DATASETS = {"c4": "allenai/c4", "c4_test": "tests/assets/c4_test", "c4_validation": "allenai/c4"}
-
-
 def apply_titan_args(config, args: list[str]):
     """torchtitan's own CLI flags (`--training.steps 5`) over a built Trainer.Config, parsed by the
     parser `torchtitan.train` uses (tyro with torchtitan's registry of custom rules). An unknown or
@@ -255,9 +250,15 @@ _GLUE = {
 
 # ---- private torchtitan internals: the only place the pipeline names them ------------------------
 
-# The torchtitan these internals were read from (requirements-dev.lock); the image's torchtitan-neuron
-# must have them too, which check_torchtitan() verifies before anything is launched.
+# The torchtitan these internals were read from: the dev lock's 0.3.0, and upstream main of 2026-08-21
+# (shared/wheels; the nearest public snapshot of torchtitan-neuron's base), where they all exist too. The
+# image's torchtitan-neuron must have them, which check_torchtitan() verifies before anything is launched.
 EXPECTED_TORCHTITAN = "0.3.0"
+WRITTEN_AGAINST = "0.3.0 and upstream main of 2026-08-21"
+# (version, API) pairs the test suite checks every internal on (the fast tier and the upstream-main tier):
+# the launcher skips importing torchtitan for them. upstream main says 0.2.2 with the main API; PyPI's own
+# 0.2.2 has the old one, and torchtitan-neuron ("0.2.2+neuron.1") is always checked.
+VERIFIED = {(EXPECTED_TORCHTITAN, api.V030), ("0.2.2", api.MAIN)}
 
 
 @dataclass(frozen=True)
@@ -353,19 +354,19 @@ def torchtitan_version() -> str:
 
 def check_torchtitan(target: str, internals=None) -> None:
     """Refuse, in one line, a torchtitan without the internals this pipeline uses, in the launching
-    process before any rank starts. Cheap on the version they were read from (its metadata says so,
-    and the test suite checks every one of them on it); any other version is imported and checked."""
+    process before any rank starts. Cheap on the (version, API) pairs they were read from (VERIFIED);
+    any other torchtitan is imported and checked."""
     from pipeline.errors import PipelineError
 
     if internals is None:
-        if torchtitan_version() == EXPECTED_TORCHTITAN:
+        if (torchtitan_version(), api.variant()) in VERIFIED:
             return
         internals = internals_for(target)
     missing = missing_internals(internals)
     if missing:
         raise PipelineError(
             f"torchtitan {torchtitan_version()} lacks {len(missing)} internal(s) this pipeline uses: "
-            f"{', '.join(missing)} (written against torchtitan {EXPECTED_TORCHTITAN}).",
+            f"{', '.join(missing)} (written against torchtitan {WRITTEN_AGAINST}).",
             f"install torchtitan=={EXPECTED_TORCHTITAN} (requirements-dev.lock), or port pipeline/titan/compat.py "
             "to this version.")
 

@@ -4,7 +4,7 @@ each rank with torchtitan's dataset registry (so torchtitan's own HF text loader
   local             the model's data/train.jsonl (written by `make data`)
   a .jsonl file     JSON lines, each an object with a "text" string
   a .txt file       plain UTF-8 text, one document per paragraph (blank-line separated)
-  c4, c4_test, …    a torchtitan dataset (titan.compat.TITAN_DATASETS); C4 is trn2's default
+  c4, c4_test, …    a torchtitan dataset (titan.api.titan_datasets()); C4 is trn2's default
   org/name          a Hub dataset with a "text" column, streamed (split "train")
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.errors import PipelineError
-from pipeline.titan.compat import TITAN_DATASETS
+from pipeline.titan import api
 
 LOCAL = "local"
 FILE_FORMATS = {".jsonl": "json", ".txt": "text"}
@@ -31,7 +31,7 @@ TEXT_BYTES_CHECKED = 1 << 16
 class DataSource:
     kind: str  # file | hub | titan
     dataset: str  # DATASET as given
-    file: str | None = None  # the absolute path read: kind file, and titan's test asset c4_test
+    file: str | None = None  # kind file: the absolute path read
 
     @property
     def loader_name(self) -> str:
@@ -49,8 +49,9 @@ def resolve(dataset: str, local_file: Path, check_local: bool = True, model: str
                                     f"run `make data MODEL={model}` first, or give DATASET=<file or dataset id>.")
             check_file(Path(local_file))
         return DataSource("file", dataset, str(local_file))
-    if dataset in TITAN_DATASETS:
-        return DataSource("titan", dataset, _check_titan_dataset(dataset))
+    if dataset in api.titan_datasets():
+        _check_titan_dataset(dataset)
+        return DataSource("titan", dataset)
     path = Path(dataset).expanduser()
     if path.suffix in FILE_FORMATS or path.exists() or dataset.startswith(("/", ".", "~")):
         check_file(path)
@@ -58,7 +59,7 @@ def resolve(dataset: str, local_file: Path, check_local: bool = True, model: str
     if HUB_ID.fullmatch(dataset):
         return DataSource("hub", dataset)
     raise PipelineError(f"DATASET={dataset!r} is not {LOCAL!r}, a .jsonl/.txt file, a torchtitan dataset "
-                        f"({', '.join(TITAN_DATASETS)}) or a Hub dataset id (org/name).",
+                        f"({', '.join(api.titan_datasets())}) or a Hub dataset id (org/name).",
                         "check the spelling, or give the path of an existing file.")
 
 
@@ -116,46 +117,24 @@ def _first_lines(handle, head: bytes) -> list[tuple[int, str]]:
         data += more
 
 
-def _check_titan_dataset(name: str) -> str | None:
-    """None for a Hub dataset; for c4_test the absolute path of torchtitan's test asset."""
-    from pipeline.training import titan_assets
-
-    path = TITAN_DATASETS[name]
+def _check_titan_dataset(name: str) -> None:
+    path = api.titan_datasets()[name]
     # c4_test reads a path relative to the working directory (a torchtitan source checkout's
     # tests/assets), which the wheel does not ship; the others are Hub datasets.
-    if HUB_ID.fullmatch(path):
-        return None
-    found = titan_assets.find(path)
-    if found is None:
+    if not HUB_ID.fullmatch(path) and not Path(path).exists():
         raise PipelineError(f"DATASET={name} reads {path} relative to the working directory (a torchtitan "
-                            f"source checkout), and neither {Path(path).resolve()} nor the installed torchtitan's "
-                            "checkout has it.", "run from a torchtitan checkout, or give DATASET=<file>.")
-    return str(found)
+                            f"source checkout), and {Path(path).resolve()} does not exist.",
+                            "run from a torchtitan checkout, or give DATASET=<file>.")
 
 
 def register(source: DataSource) -> str:
     """In a rank: add a file or Hub dataset to torchtitan's registry; returns the loader's name."""
-    from datasets import load_dataset
-    from torchtitan.hf_datasets import DatasetConfig
-    from torchtitan.hf_datasets.text_datasets import DATASETS
-
     if source.kind == "titan":
-        if source.file:  # a test asset found by absolute path, whatever the rank's working directory
-            DATASETS[source.loader_name] = DatasetConfig(path=source.file, loader=DATASETS[source.loader_name].loader,
-                                                         sample_processor=DATASETS[source.loader_name].sample_processor)
         return source.loader_name
+    from pipeline.titan import api
 
     if source.kind == "file":
-        if FILE_FORMATS[Path(source.file).suffix] == "json":
-            def loader(path):
-                return load_dataset("json", data_files=path, split="train")
-        else:
-            def loader(path):
-                return load_dataset("text", data_files=path, split="train", sample_by="paragraph")
-        path = source.file
+        api.register_text_dataset(source.loader_name, "file", source.file, FILE_FORMATS[Path(source.file).suffix])
     else:
-        def loader(path):
-            return load_dataset(path, split="train", streaming=True)
-        path = source.dataset
-    DATASETS[source.loader_name] = DatasetConfig(path=path, loader=loader, sample_processor=lambda s: s["text"])
+        api.register_text_dataset(source.loader_name, "hub", source.dataset, None)
     return source.loader_name

@@ -20,7 +20,7 @@ ENTERED = time.time()
 from pipeline.errors import PipelineError
 from pipeline.run import rundir
 from pipeline.run.spec import RunSpec
-from pipeline.titan import compat
+from pipeline.titan import api, compat
 from pipeline.training import dataset
 
 MEMORY_KIND = {"cpu": "peak RSS (CPU)", "cuda": "CUDA reserved", "trn2": "HBM reserved"}
@@ -43,17 +43,16 @@ def _tokenizer(spec: RunSpec):
 def build_config(spec: RunSpec):
     from torchtitan.components.loss import CrossEntropyLoss
     from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.config import CompileConfig, ParallelismConfig
     from torchtitan.config.configs import CommConfig, DebugConfig
     from torchtitan.config.override import OverrideConfig
-    from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 
     from pipeline.models import registry
     from pipeline.titan.trainer import JsonlMetricsProcessor, PipelineTrainer, WeightsCheckpointManager
 
     s = spec.settings
     run_dir = Path(spec.run_dir)
-    dataset_name = dataset.register(dataset.DataSource(spec.data_kind, s.dataset, spec.data_file))
+    source = dataset.DataSource(spec.data_kind, s.dataset, spec.data_file)
     model_spec = registry.get(spec.path).build(spec)
     config = PipelineTrainer.Config(
         run_dir=str(run_dir),
@@ -72,12 +71,10 @@ def build_config(spec: RunSpec):
             memory_kind=MEMORY_KIND[spec.target],
             disable_color_printing=True,
         ),
-        dataloader=HuggingFaceTextDataLoader.Config(
-            dataset=dataset_name, infinite=True
-        ),
+        dataloader=api.text_dataloader(source, dataset.register(source)),
         optimizer=default_adamw(lr=s.lr, weight_decay=0.0),
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=s.warmup_steps, decay_type="linear"),
-        training=TrainingConfig(
+        training=api.training_config(
             local_batch_size=s.local_batch_size,
             seq_len=s.seq_len,
             steps=s.steps,
@@ -211,6 +208,7 @@ def run(spec: RunSpec, rank: int) -> None:
     from torchtitan.tools.logging import init_logger, logger
 
     init_logger()
+    logger.info(f"torchtitan API: {api.variant_of_imported()}")  # which of the two (titan.api) this rank runs on
     from pipeline.titan.trainer import TIMINGS
 
     TIMINGS.update(entry=ENTERED, imported=time.time(), threads=torch.get_num_threads())
