@@ -184,7 +184,7 @@ class Bench:
         for _ in range(self.repeats):
             out = run([PY, inproc, "export", model, "native", dtype, max_shard_size], self.env)
             exports.append(last_json(out["out"]))
-            run_dir.path.joinpath("reference_loss.json").unlink(missing_ok=True)
+            run_dir.shared_reference_loss.unlink(missing_ok=True)
             plains.append(last_json(run([PY, inproc, "plain", str(run_dir.export), str(run_dir.path)], self.env)["out"]))
             verifies.append(last_json(run([PY, inproc, "verify", model, "native"], self.env)["out"]))
             again.append(last_json(run([PY, inproc, "verify", model, "native"], self.env)["out"]))

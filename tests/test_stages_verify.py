@@ -19,7 +19,8 @@ from pipeline.stages.verify import verify
 from conftest import (TRAINED_STEPS, fake_run, read_metrics, run_dir as runs_dir, run_pipeline, source_dir,
                            tied_source_with_lm_head)
 
-SCHEMA = {"passed", "checkpoint", "reference", "checks", "missing_keys", "unexpected_keys", "mismatched_keys", "step1_loss"}
+SCHEMA = {"passed", "checkpoint", "reference", "checks", "missing_keys", "unexpected_keys", "mismatched_keys", "step1_loss",
+          "step1_expectation"}
 
 
 @pytest.fixture(scope="session")
@@ -97,6 +98,7 @@ def test_steps0_run_uses_a_sibling_runs_first_batch(runs, exports, tmp_path):
     only0 = runs_dir(root, "tiny", "native")
     only0.mkdir(parents=True)
     (only0 / "run.json").write_text(json.dumps({**spec, "source_dir": str(source), "run_dir": str(only0)}))
+    shutil.copytree(trained / "checkpoint" / "step-0", only0 / "checkpoint" / "step-0")  # what it saved, verify compares
     result = verify(exports["tiny", 0, "float32"], source, RunDir(only0), tmp_path / "v0.json")
     assert result.passed and result.step1_loss["logged"] is None
     assert "held-out corpus" in checks(result)["step1-loss-export"].detail

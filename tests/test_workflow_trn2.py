@@ -18,6 +18,7 @@ import yaml
 from conftest import REPO
 from pipeline.checkpoint.arch import arch_from_config
 from pipeline.errors import PipelineError
+from pipeline.run import expectation
 from pipeline.run import settings as settings_mod
 
 WORKFLOW = REPO / ".github" / "workflows" / "trn2.yml"
@@ -130,9 +131,30 @@ def test_the_4b_run_as_promised():
     assert [text.index(s) for s in order] == sorted(text.index(s) for s in order)
     assert 'TRAIN_PATH="$path"' in text and "RUN=" not in text  # the Make variable that exists
     assert FLOW["env"]["PIPELINE_REQUIRE_PINNED"] == "1" and FLOW["env"]["IN_CONTAINER"] == "1"
-    # verify-checkpoint compares the logged step-1 loss with configs/models.toml's expectation.
-    models = tomllib.loads((REPO / "configs" / "models.toml").read_text())
-    assert models[entry["model"]]["expected_step1_loss"] == pytest.approx(6.54)
+    # verify-checkpoint compares the logged step-1 loss with configs/models.toml's expectation (only
+    # under its conditions: test_one_step_runs_the_conditions_of_the_expected_step1_loss).
+    assert expectation.load(entry["model"]).loss == pytest.approx(6.54)
+
+
+def test_one_step_runs_the_conditions_of_the_expected_step1_loss():
+    """One step of the job trains with the CONFIG that holds every known condition of models.toml's
+    6.54, in a checkpoints root of its own, and that run's settings compare as comparable; the
+    matrix runs' do not."""
+    (entry,) = FLOW["jobs"]["pipeline"]["strategy"]["matrix"]["include"]
+    expected = expectation.load(entry["model"])
+    (step,) = [s for s in FLOW["jobs"]["pipeline"]["steps"] if "CONFIG=configs/step1/" in s.get("run", "")]
+    assert step["env"]["PIPELINE_CHECKPOINTS"] != FLOW["env"]["PIPELINE_CHECKPOINTS"]  # never replaces the matrix's native run
+    script = step["run"]
+    config = REPO / "configs" / "step1" / "Qwen3-4B-Instruct-2507.toml"
+    assert f"CONFIG={config.relative_to(REPO)}" in script and "STEPS=1" in script
+    assert script.index("make train-native") < script.index("make verify-checkpoint") < script.index(
+        'grep -q "step1-loss-expected: pass"')
+    known = {c.setting: c.value for c in expected.conditions if c.basis != "unknown"}
+    assert tomllib.loads(config.read_text())["train"] == known
+    job_settings = settings_mod.load("trn2", "native", ("hf", "native", "nki"), config)
+    assert expected.compare(job_settings).comparable
+    pipeline_settings = settings_mod.load("trn2", "native", ("hf", "native", "nki"))
+    assert set(expected.compare(pipeline_settings).differing) == {"dataset", "tokenizer"}
 
 
 def test_every_matrix_model_fits_trn2s_plan():

@@ -9,7 +9,8 @@
   plan/rank*.json        what each rank ran (parallel layout, step 1), when the run records it (rehearse)
   failure.json           a rank's one-line error (PipelineError), read back by the launcher
   memory.json            each rank's peak memory against the estimate (pipeline.training.memory)
-  reference_loss.json    verify's plain-transformers loss of the source on the first batch (kept)
+  ../.reference_loss.json   verify's plain-transformers loss of the source per distinct first batch,
+                         beside the runs of every path of the model (runs/), so each is computed once
   saves.jsonl            one line per checkpoint save: seconds and bytes of DCP and of the weights copy
   dcp_digests.json       sha256 of each step's DCP .metadata (a pickle), recorded as the pipeline saves it:
                          a resume loads a step only when its .metadata still matches (check_dcp_metadata)
@@ -45,7 +46,7 @@ LOCK = ".lock"
 PLAN = "plan"
 FAILURE = "failure.json"
 MEMORY = "memory.json"
-REFERENCE_LOSS = "reference_loss.json"
+SHARED_REFERENCE_LOSS = ".reference_loss.json"  # in runs/, shared by the model's runs
 SAVES = "saves.jsonl"
 DCP_DIGESTS = "dcp_digests.json"
 
@@ -111,8 +112,8 @@ class RunDir:
         return self.path / SAVES
 
     @property
-    def reference_loss(self) -> Path:
-        return self.path / REFERENCE_LOSS
+    def shared_reference_loss(self) -> Path:
+        return self.path.parent / SHARED_REFERENCE_LOSS
 
     @property
     def memory(self) -> Path:

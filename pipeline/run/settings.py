@@ -26,6 +26,9 @@ CHOICES = {
     # torchtitan Qwen3's attention (pipeline/models/attention_backends.py): flex needs Inductor
     # (CPU, CUDA); document_sdpa does not (neuron).
     "attention_backend": ("flex", "document_sdpa"),
+    # The tokenizer the data is encoded with (pipeline/training/tokenizer.py): the source
+    # checkpoint's own, or torchtitan's test tokenizer (AWS's smoke run; configs/models.toml).
+    "tokenizer": ("model", "titan-test"),
 }
 
 
@@ -56,6 +59,7 @@ class TrainSettings:
     eval_every: int = 0
     eval_steps: int = 4
     eval_dataset: str = ""
+    tokenizer: str = "model"
     tensorboard: bool = True
     # Weights & Biases through torchtitan's WandBLogger: project `wandb_project`, run name
     # <model key>/<run name>; WANDB_MODE=offline keeps it on disk (wandb sync uploads it later).

@@ -8,11 +8,16 @@ Checks, in order (each becomes an entry of verify.json):
              zero missing, unexpected, mismatched keys and no load error
   keys / shapes / dtypes   the on-disk tensors against the reference (source) checkpoint
   finite     no NaN/Inf anywhere
+  config / weights   with a run: config.json's architecture equals run.json's, and every tensor
+             equals the run's saved weights of the exported step (pipeline/stages/verify_run.py)
   round-trip an export of step 0 is bitwise equal to the source (cast to the export dtype);
   changed    an export after training steps differs from the source
   step1-loss-source   plain transformers' loss of the source on the recorded first batch
-             equals the logged step-1 loss, and the model's expectation where configs/models.toml
-             has one (for the embedded defaults the expectation is that plain-transformers value)
+             equals the logged step-1 loss (each distinct batch computed once; the source's
+             loss kept per model, runs/.reference_loss.json, for every path's verify)
+  step1-loss-expected the logged step-1 loss against configs/models.toml's expectation, only for a
+             run made under the conditions it was measured under; otherwise verify.json's
+             step1_expectation says "not comparable" and names the settings that differ
   step1-loss-export   for a step-0 export, the export's loss on that batch equals the logged
              step-1 loss (or the source's, when no step 1 was logged)
 
@@ -27,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -37,6 +41,7 @@ from pipeline.fsutil import atomic_write_text
 from pipeline.models import registry
 from pipeline.run import rundir, store
 from pipeline.run.rundir import RunDir
+from pipeline.stages import verify_run
 
 # |export − reference| allowed for the step-1 loss, by export dtype: fp32 is the same
 # arithmetic (measured 5e-7 on tiny), bf16 rounds every weight (measured 4e-5 on tiny; looser for depth).
@@ -60,6 +65,7 @@ class Batch:
     tensors: list[dict]
     origin: str
     logged: float | None
+    run: RunDir | None = None  # the run that recorded it (and logged `logged`)
 
 
 @dataclass
@@ -73,6 +79,7 @@ class Verification:
     unexpected_keys: list[str] = field(default_factory=list)
     mismatched_keys: list[str] = field(default_factory=list)
     step1_loss: dict = field(default_factory=lambda: {"export": None, "logged": None, "reference": None})
+    expectation: dict | None = None  # configs/models.toml's step-1 expectation, and whether it applied
 
     def add(self, name: str, passed: bool, detail: str) -> bool:
         """Record a check and print it at once: a big checkpoint's verify takes minutes."""
@@ -94,6 +101,7 @@ class Verification:
             "unexpected_keys": self.unexpected_keys,
             "mismatched_keys": self.mismatched_keys,
             "step1_loss": self.step1_loss,
+            "step1_expectation": self.expectation,
         }
 
 
@@ -176,6 +184,9 @@ def _run_checks(result: Verification) -> None:
     _check_keys(result, report, ref_report)
     step = listed.get("step") if listed else None
     identical = _check_tensors(result, report, ref_report, step)
+    if result.run_dir is not None and result.run_dir.exists():
+        verify_run.check_config(result, report, result.run_dir)
+        verify_run.check_weights(result, report, result.run_dir, step)
     _check_losses(result, step, report.tensors, model, identical)
 
 
@@ -336,7 +347,7 @@ def find_batch(run_dir: RunDir | None, reference: Path) -> Batch:
         if Path(candidate.spec().source_dir).resolve() != Path(reference).resolve():
             continue
         origin = "this run's first batch" if candidate == run_dir else f"first batch of sibling run {candidate.name}"
-        return Batch(candidate.first_batches(), origin, candidate.step1_loss())
+        return Batch(candidate.first_batches(), origin, candidate.step1_loss(), candidate)
     return Batch([_corpus_batch(reference)], "first held-out corpus document (no recorded first batch)", None)
 
 
@@ -362,27 +373,51 @@ def model_id(run_dir: RunDir | None, reference: Path) -> str | None:
     return None
 
 
-def expected_step1(model: str | None) -> tuple[str, float, float] | None:
-    """(model id, expected loss, tolerance) from configs/models.toml."""
-    from pipeline.run.settings import CONFIG_DIR
+def _check_expectation(result: Verification, batch: Batch) -> None:
+    """The model's expected step-1 loss (configs/models.toml), compared only with a logged step-1
+    loss of a run made under the conditions it was measured under; otherwise recorded as not
+    comparable, naming why."""
+    from pipeline.run import expectation
 
-    entry = tomllib.loads((CONFIG_DIR / "models.toml").read_text()).get(model or "", {})
-    if "expected_step1_loss" not in entry:
-        return None
-    return model, float(entry["expected_step1_loss"]), float(entry.get("step1_loss_tolerance", 0.1))
+    expected = expectation.load(model_id(result.run_dir, result.reference))
+    if expected is None:
+        return
+    record = {**expected.to_dict(), "measured": batch.logged, "comparable": False, "differing": {}}
+    result.expectation = record
+    if batch.logged is None or batch.run is None:
+        print(f"  step1-loss-expected: not comparable  {expected.model}'s {expected.loss} is a logged step-1 loss, "
+              f"and none was logged with {batch.origin}", flush=True)
+        return
+    comparison = expected.compare(batch.run.spec().settings)
+    record["differing"] = {k: {"run": run, "expected": want} for k, (run, want) in comparison.differing.items()}
+    caveats = "; ".join(filter(None, [
+        f"unknown at the source, not compared: {', '.join(comparison.unknown)}" if comparison.unknown else "",
+        f"assumed: {', '.join(comparison.assumed)}" if comparison.assumed else ""]))
+    if not comparison.comparable:
+        differing = ", ".join(f"{k} {run!r} ≠ {want!r}" for k, (run, want) in comparison.differing.items())
+        print(f"  step1-loss-expected: not comparable  {expected.model}'s {expected.loss} was measured under other "
+              f"settings: {differing} ({caveats}; configs/models.toml)", flush=True)
+        return
+    record["comparable"] = True
+    diff = abs(batch.logged - expected.loss)
+    result.add("step1-loss-expected", diff <= expected.tolerance,
+               f"{expected.model}: logged step-1 loss {batch.logged:.4f} of run {batch.run.name} vs expected {expected.loss} ± {expected.tolerance} "
+               f"under the same settings ({caveats}; configs/models.toml)")
 
 
 def _check_losses(result: Verification, step: int | None, tensors, model, identical: bool) -> None:
-    from pipeline.checkpoint.reference_loss import load_model, step1_loss
+    from pipeline.checkpoint.reference_loss import combine, distinct, loss_terms
 
     batch = find_batch(result.run_dir, result.reference)
-    export_loss = step1_loss(model, batch.tensors) if model is not None else math.nan
+    unique = distinct(batch.tensors)
+    where = f"{batch.origin}, {len(batch.tensors)} file(s), {len(unique)} distinct"
+    export_loss = combine([(loss_terms(model, b.tensors), b.copies) for b in unique]) if model is not None else math.nan
     del model
     if identical:
         # Bitwise the source's tensors in the source's dtype: the same model, the same loss.
         reference_loss, origin = export_loss, "= the export's: bitwise the source's weights"
     else:
-        reference_loss, origin = _reference_loss(result, batch, lambda: step1_loss(load_model(result.reference), batch.tensors))
+        reference_loss, origin = _reference_loss(result, unique)
     result.step1_loss = {"export": export_loss, "logged": batch.logged, "reference": reference_loss}
     spec_dtype = _training_dtype(result.run_dir)
     if batch.logged is not None:
@@ -390,54 +425,69 @@ def _check_losses(result: Verification, step: int | None, tensors, model, identi
         diff = abs(reference_loss - batch.logged)
         result.add("step1-loss-source", diff <= tol,
                    f"source (plain transformers, {origin}) {reference_loss:.6f} vs logged step-1 {batch.logged:.6f} on "
-                   f"{batch.origin}: |diff| {diff:.2e} ≤ {tol:g}")
-    expectation = expected_step1(model_id(result.run_dir, result.reference))
-    if expectation is not None:
-        model_name, expected, tol = expectation
-        measured = batch.logged if batch.logged is not None else reference_loss
-        result.add("step1-loss-expected", abs(measured - expected) <= tol,
-                   f"{model_name}: step-1 loss {measured:.4f} vs expected {expected} ± {tol} (configs/models.toml)")
+                   f"{where}: |diff| {diff:.2e} ≤ {tol:g}")
+    _check_expectation(result, batch)
     export_dtype = next(iter({t.dtype for t in tensors.values()}))
     tol = EXPORT_LOSS_TOLERANCE["float32" if export_dtype == "F32" else "bfloat16"]
     if step == 0 or step is None:
         target, what = (batch.logged, "logged step-1") if batch.logged is not None else (reference_loss, "source")
         diff = abs(export_loss - target)
         result.add("step1-loss-export", diff <= tol,
-                   f"export {export_loss:.6f} vs {what} {target:.6f} on {batch.origin} ({export_dtype}): |diff| {diff:.2e} ≤ {tol:g}"
+                   f"export {export_loss:.6f} vs {what} {target:.6f} on {where} ({export_dtype}): |diff| {diff:.2e} ≤ {tol:g}"
                    + ("" if step == 0 else "; export step unknown (no manifest), so it must equal the source"))
     else:
         result.add("step1-loss-export", math.isfinite(export_loss),
-                   f"step-{step} export {export_loss:.6f} on {batch.origin} (source {reference_loss:.6f}): finite")
+                   f"step-{step} export {export_loss:.6f} on {where} (source {reference_loss:.6f}): finite")
 
 
-def _reference_loss(result: Verification, batch: Batch, compute) -> tuple[float, str]:
-    """The source's loss on the batch, computed once per run: kept in the run dir under the
-    identity of everything it depends on (source files, batch, library versions)."""
-    import hashlib
-
+def _source_identity(reference: Path) -> dict:
+    """What the source's loss depends on besides the batch: its files and the libraries computing it."""
     import torch
     import transformers
 
-    if result.run_dir is None:
-        return compute(), "computed"
-    digest = hashlib.sha256()
-    for tensors in batch.tensors:
-        for name in sorted(tensors):
-            digest.update(name.encode() + tensors[name].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    files = {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(Path(result.reference).iterdir())
+    files = {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(Path(reference).iterdir())
              if p.is_file() and (p.suffix == ".safetensors" or p.name == "config.json")}
-    key = {"reference": str(Path(result.reference).resolve()), "files": files, "batch_sha256": digest.hexdigest(),
-           "transformers": transformers.__version__, "torch": torch.__version__}
-    cache = result.run_dir.reference_loss
+    return {"reference": str(Path(reference).resolve()), "files": files,
+            "transformers": transformers.__version__, "torch": torch.__version__}
+
+
+def _reference_loss(result: Verification, unique) -> tuple[float, str]:
+    """The source's loss over the distinct batches. Each batch's (loss sum, tokens) is kept per
+    model (runs/.reference_loss.json, seen by every path's run, which on one model and dataset
+    record the same batches) under the source's identity and the batch's sha256: a model's source
+    is computed once, whatever the number of paths and verifies."""
+    from pipeline.checkpoint.reference_loss import combine, load_model, loss_terms
+
+    cache = result.run_dir.shared_reference_loss if result.run_dir is not None else None
+    identity = _source_identity(result.reference)
+    known = _cached_terms(cache, identity)
+    missing = [b for b in unique if b.digest not in known]
+    if missing:
+        source = load_model(result.reference)
+        computed = {b.digest: list(loss_terms(source, b.tensors)) for b in missing}
+        del source
+        known |= computed
+        if cache is not None:
+            # Merged with what another verify (another path) wrote meanwhile; replaced atomically.
+            atomic_write_text(cache, json.dumps({"source": identity,
+                                                 "batches": _cached_terms(cache, identity) | computed}, indent=2) + "\n")
+    loss = combine([(tuple(known[b.digest]), b.copies) for b in unique])
+    if not missing:
+        return loss, f"computed by an earlier verify, {cache.name}"
+    reused = len(unique) - len(missing)
+    return loss, "computed" + (f" ({reused} of {len(unique)} batches by an earlier verify, {cache.name})" if reused else "")
+
+
+def _cached_terms(cache: Path | None, identity: dict) -> dict:
+    if cache is None:
+        return {}
     try:
         cached = json.loads(cache.read_text())
-        if cached.get("key") == key:
-            return float(cached["loss"]), f"computed by an earlier verify, {cache.name}"
-    except (OSError, ValueError, KeyError):
+        if cached.get("source") == identity and isinstance(cached.get("batches"), dict):
+            return dict(cached["batches"])
+    except (OSError, ValueError):
         pass
-    loss = compute()
-    atomic_write_text(cache, json.dumps({"key": key, "loss": loss}, indent=2) + "\n")
-    return loss, "computed"
+    return {}
 
 
 def _training_dtype(run_dir: RunDir | None) -> str:

@@ -33,6 +33,14 @@ def _activation_checkpoint(kind: str):
     return {"none": None, "selective": SelectiveAC.Config(), "full": FullAC.Config()}[kind]
 
 
+def _tokenizer(spec: RunSpec):
+    """TrainSettings.tokenizer: the source's own (hf_assets_path) or torchtitan's test tokenizer."""
+    from pipeline.titan.tokenizer import DirectoryTokenizer
+    from pipeline.training import titan_assets
+
+    return DirectoryTokenizer.Config(directory=titan_assets.tokenizer_dir(spec.settings.tokenizer, spec.source_dir))
+
+
 def build_config(spec: RunSpec):
     from torchtitan.components.loss import CrossEntropyLoss
     from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
@@ -52,6 +60,7 @@ def build_config(spec: RunSpec):
         record_plan=spec.record_plan,
         model_spec=model_spec,
         hf_assets_path=spec.source_dir,
+        tokenizer=_tokenizer(spec),
         dump_folder=str(run_dir),
         loss=CrossEntropyLoss.Config(global_vocab_size=spec.arch.vocab_size),
         metrics=JsonlMetricsProcessor.Config(

@@ -21,6 +21,7 @@ from pipeline.run.settings import TrainSettings
 from pipeline.run.spec import RunSpec
 from pipeline.training import dataset
 from pipeline.training import memory
+from pipeline.training import titan_assets
 
 HUB_CONFIGS = store.HUB_CONFIGS
 
@@ -63,6 +64,8 @@ def resolve(request: RunRequest) -> RunSpec:
         arch = hf_dir.validate(source_dir).arch
     data = dataset.resolve(cfg.dataset, home.data_file, check_local=not request.dry_run, model=request.model)
     eval_file = dataset.eval_file(cfg, data, home.data_file, check_local=not request.dry_run)
+    if not request.dry_run:
+        titan_assets.tokenizer_dir(cfg.tokenizer, str(source_dir))  # found before any rank starts
     spec = RunSpec(
         model=request.model, model_key=home.source.key, path=path.name, target=target.name,
         source_dir=str(source_dir), run_dir=str(request.run_dir or home.run(request.name or path.name).path), arch=arch, settings=cfg,
