@@ -43,6 +43,9 @@ MERGE_CHECK = textwrap.dedent("""
     ModelWrapper(plain).load_state_dict(dict(state))
     tokens = torch.randint(0, 1000, (1, 16))
     positions = torch.arange(16).unsqueeze(0)
+    from pipeline.titan import api
+    if api.folded_batch():  # torchtitan main's models take [T] packed tokens
+        tokens, positions = tokens[0], positions[0]
     with torch.no_grad():
         outputs = [m(tokens, positions=positions, attention_masks=m.get_attention_masks(positions=positions))
                    for m in (adapted, plain)]

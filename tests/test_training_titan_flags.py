@@ -10,6 +10,7 @@ import pytest
 
 from pipeline.__main__ import main
 from pipeline.errors import PipelineError
+from pipeline.titan import api
 from pipeline.training.resolve import RunRequest, resolve
 
 
@@ -44,10 +45,12 @@ def test_flags_the_pipeline_owns_are_refused_in_one_line(tmp_path, flags, named,
 
 
 def test_folded_flags_become_the_settings_the_checks_read(tmp_path):
-    spec = _resolve(tmp_path, "--training.steps", "1", "--training.local-batch-size", "1",
-                    "--lr-scheduler.warmup-steps", "0")
+    # One sequence per rank, as the installed torchtitan spells it (main counts tokens: titan.api).
+    seq_len = _resolve(tmp_path, "--lr-scheduler.warmup-steps", "0").settings.seq_len
+    batch = (f"--training.{api.batch_field().replace('_', '-')}", str(seq_len if api.folded_batch() else 1))
+    spec = _resolve(tmp_path, "--training.steps", "1", *batch, "--lr-scheduler.warmup-steps", "0")
     assert (spec.settings.steps, spec.settings.local_batch_size) == (1, 1)
-    assert spec.titan_args == ["--training.steps", "1", "--training.local-batch-size", "1",
+    assert spec.titan_args == ["--training.steps", "1", *batch,
                                "--lr-scheduler.warmup-steps", "0"]  # still applied in the ranks: same values
     untouched = _resolve(tmp_path, "--lr-scheduler.warmup-steps", "0")
     assert untouched.settings == resolve(RunRequest(model="tiny", path="native", target="cpu", dry_run=True,
@@ -61,7 +64,7 @@ def test_every_owned_field_exists_in_torchtitans_config(tmp_path):
 
     spec = _resolve(tmp_path)
     config = entry.build_config(spec)
-    for owned in (*titan_flags.FOLDED, *titan_flags.REFUSED):
+    for owned in titan_flags.owned():
         path = titan_flags._path(config, owned.field)
         assert titan_flags._get(config, path) is not titan_flags._MISSING, path
 

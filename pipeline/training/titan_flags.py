@@ -32,6 +32,12 @@ class Refused:
     field: str
     why: str
     fix: str
+    apis: tuple[str, ...] = (api.V030, api.MAIN)  # the torchtitan APIs that have the field
+
+
+def owned() -> tuple:
+    """The folded and refused entries the installed torchtitan has fields for."""
+    return (*FOLDED, *(r for r in REFUSED if api.variant() in r.apis))
 
 
 # Fields the two torchtitan APIs name differently (pipeline.titan.api names them): the sequence length
@@ -69,7 +75,9 @@ REFUSED = (
     Refused("checkpoint.initial_load_model_only", "the model a run starts from is MODEL's checkpoint", "use MODEL=."),
     Refused("hf_assets_path", "the tokenizer and weights are MODEL's", "use MODEL=."),
     Refused("dataloader.dataset", "the data is resolved and checked by the pipeline", "use DATASET=."),
-    Refused("dataloader.dataset_path", "the data is resolved and checked by the pipeline", "use DATASET=."),
+    # main's Grain loader takes no dataset path (and its `dataset` is not a flag tyro offers)
+    Refused("dataloader.dataset_path", "the data is resolved and checked by the pipeline", "use DATASET=.",
+            apis=(api.V030,)),
     Refused("training.dtype", "parameters are float32 masters; dtype sets the compute precision", "set dtype in CONFIG."),
     Refused("activation_checkpoint", "the memory estimate reads the checkpointing mode from the settings",
             'set activation_checkpoint ("none", "selective", "full") in CONFIG.'),
@@ -102,8 +110,8 @@ def _flag(dotted: str, value) -> str:
 def changed_fields(base, parsed) -> dict[str, tuple[object, object]]:
     """Every owned field (folded or refused) whose value the flags change: path → (built, parsed)."""
     out = {}
-    for owned in (*FOLDED, *REFUSED):
-        dotted = _path(base, owned.field)
+    for entry in owned():
+        dotted = _path(base, entry.field)
         before, after = _get(base, dotted), _get(parsed, dotted)
         if before is not _MISSING and before != after:
             out[dotted] = (before, after)
