@@ -148,7 +148,10 @@ def tied_source_with_lm_head(runs: Path, tmp_path: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> Path:
-    """A checkpoints root holding tiny and tiny-moe (downloaded = made) with their data."""
+    """A checkpoints root holding tiny and tiny-moe (downloaded = made) with their data.
+    PIPELINE_TEST_CHECKPOINTS names one made before (a session of its own: tests only read it)."""
+    if os.environ.get("PIPELINE_TEST_CHECKPOINTS"):
+        return Path(os.environ["PIPELINE_TEST_CHECKPOINTS"])
     root = tmp_path_factory.mktemp("checkpoints")
     for model in ("tiny", "tiny-moe"):
         run_pipeline("download", "--model", model, root=root)

@@ -80,7 +80,8 @@ def test_download_records_the_commit_and_leaves_weights_in_the_cache(hub):
     record = json.loads((root / "someorg--tiny" / "source.json").read_text())
     assert record == {"kind": "hub", "model": REPO_ID, "repo_id": REPO_ID, "revision": "main", "commit": COMMIT}
     assert str(snapshot) in first.stdout
-    assert not (root / "someorg--tiny" / "source").exists()  # no copy: other HF tools share the cache
+    source = root / "someorg--tiny" / "source"  # no copy: a link into the cache (which other HF tools share)
+    assert source.is_symlink() and source.resolve() == snapshot.resolve()
 
 
 def test_download_again_at_the_recorded_commit_is_a_no_op(hub):
