@@ -76,7 +76,8 @@ UNKNOWN_VARS := $(filter-out $(KNOWN_VARS) $(EXTERNAL_VARS) MAKEFLAGS MFLAGS,$(C
 ifneq ($(filter HF_TOKEN,$(CLI_VARS)),)
 $(error HF_TOKEN on the command line is kept in shell history and shown by ps. Fix: export HF_TOKEN in the environment (or `huggingface-cli login`) instead)
 endif
-export $(EXTERNAL_VARS)
+# Only those the user set: an exported empty HF_ENDPOINT is a URL without a scheme to huggingface_hub.
+export $(foreach v,$(EXTERNAL_VARS),$(if $(filter undefined,$(origin $(v))),,$(v)))
 ifneq ($(UNKNOWN_VARS),)
 $(error $(shell $(call q,$(PYTHON)) -c 'import difflib,sys; known=sys.argv[1].split(); print("; ".join(f"unknown variable {u}" + ("".join(f" (did you mean {m}?)" for m in difflib.get_close_matches(u.upper(), known, 1, 0.5))) for u in sys.argv[2:]))' '$(KNOWN_VARS)' $(foreach u,$(UNKNOWN_VARS),$(call q,$(u)))). Fix: see `make help` for the variables)
 endif

@@ -249,6 +249,7 @@ def test_a_planted_dcp_metadata_is_refused_before_any_rank_starts(imported, tmp_
     step.mkdir(parents=True)
     canary = tmp_path / "pwned"
     (step / ".metadata").write_bytes(pickle.dumps(_Payload(canary)))
+    (step / "__0_0.distcp").touch()  # the shard a 1-rank save writes: a complete-looking step, not one a resume drops
     try:
         result = cli("train", "--model", model, "--path", "native", "--steps", "6", "--nproc-per-node", "1", root=root)
         one_error_line(result, f"{step}/.metadata", "not the one this pipeline saved", "FRESH=1")
@@ -511,6 +512,8 @@ def test_a_truncated_weights_file_names_the_fix_that_works(imported):
     run = store.home(model, root).run("native")
     run.step_dir(0).mkdir(parents=True)
     (run.step_dir(0) / ".metadata").write_bytes(b"x")
+    for rank in range(spec.settings.world_size):  # every rank's shard: a complete step
+        (run.step_dir(0) / f"__{rank}_0.distcp").touch()
     (run.step_dir(0) / "model_weights.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")  # cut short
     try:
         line = one_error_line(cli("export", "--model", model, "--path", "native", root=root), "truncated or corrupt")
