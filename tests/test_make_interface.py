@@ -144,3 +144,19 @@ def test_clean_keeps_downloads(tmp_path):
     for key in ("tiny", "Qwen--Qwen3-0.6B"):
         assert sorted(p.name for p in (tmp_path / key).iterdir()) == ["source", "source.json"]
         assert (tmp_path / key / "source" / "model.safetensors").read_text() == "weights"
+
+
+def test_recipes_get_only_the_hugging_face_variables_the_user_set(tmp_path):
+    """An unset HF_ENDPOINT must stay unset in every recipe (and in `make test`'s pytest): exported empty,
+    huggingface_hub takes "" as the endpoint and datasets' json loader fails (every training run did)."""
+    probe = tmp_path / "probe.mk"
+    probe.write_text("show-env:\n\t@env | grep '^HF_' | sort || true\n")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    result = subprocess.run(["make", "--no-print-directory", "-f", str(MAKEFILE), "-f", str(probe), "show-env"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120, env=clean)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == ""
+    given = subprocess.run(["make", "--no-print-directory", "-f", str(MAKEFILE), "-f", str(probe), "show-env",
+                            "HF_HUB_OFFLINE=1"], cwd=REPO, capture_output=True, text=True, timeout=120,
+                           env={**clean, "HF_HOME": "/somewhere"})
+    assert given.stdout.split() == ["HF_HOME=/somewhere", "HF_HUB_OFFLINE=1"]
