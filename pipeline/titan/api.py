@@ -78,20 +78,10 @@ def seq_len_of(training) -> int:
     return getattr(training, context_field())
 
 
-def tokens_per_rank_of(training) -> int:
-    if folded_batch():
-        return training.num_tokens_per_microbatch_per_dp_rank
-    return training.local_batch_size * training.seq_len
-
-
 def rope_config(rope_cls, *, dim: int, max_len: int, theta: float, **extra):
     """A RoPE config whose cache covers `max_len` positions (`max_seq_len` → `max_context_length`)."""
     key = "max_context_length" if folded_batch() else "max_seq_len"
     return rope_cls.Config(dim=dim, theta=theta, **{key: max_len}, **extra)
-
-
-def rope_max_len(rope_config_) -> int:
-    return rope_config_.max_context_length if folded_batch() else rope_config_.max_seq_len
 
 
 def with_batch_dim(batched_ndim: int, *tensors):
@@ -167,11 +157,6 @@ def register_text_dataset(name: str, kind: str, location: str, file_format: str 
 
 def _is_sample(sample) -> bool:
     return sample is not None
-
-
-def batch_rows(tensor):
-    """A recorded batch tensor as [rows, tokens]: main's [T] is one row."""
-    return tensor.unsqueeze(0) if tensor.dim() == 1 else tensor
 
 
 def forward_signature_of(parent_forward):
