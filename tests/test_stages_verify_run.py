@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import TRAINED_STEPS, read_metrics, run_dir as runs_dir, source_dir
+from conftest import TRAINED_STEPS, plant_dcp_shards, read_metrics, run_dir as runs_dir, source_dir
 from pipeline.checkpoint import hf_dir, manifest, reference_loss
 from pipeline.checkpoint.arch import arch_from_config
 from pipeline.errors import PipelineError
@@ -144,6 +144,7 @@ def _copy_run(trained: Path, run: Path, step: int) -> None:
     (run / "checkpoint" / f"step-{step}").mkdir(parents=True)
     for name in (WEIGHTS, DCP_METADATA):
         shutil.copy(trained / "checkpoint" / f"step-{step}" / name, run / "checkpoint" / f"step-{step}" / name)
+    plant_dcp_shards(trained / "checkpoint" / f"step-{step}", run / "checkpoint" / f"step-{step}")  # a complete step
 
 
 def test_the_sources_loss_is_computed_once_for_every_path_of_a_model(runs, exports, tmp_path, monkeypatch):
