@@ -13,8 +13,8 @@ from pipeline.titan import compat
 # A fresh interpreter (compat.apply must run before torchtitan is imported): a stand-in torch.neuron
 # records synchronize(), a stand-in DeviceMemoryMonitor records each read; the monitor torchtitan's
 # MetricsProcessor builds must synchronize before every read and reset.
-PROBE = """
-import types, torch
+STAND_IN_NEURON = """
+import json, sys, types, torch
 calls = []
 torch.neuron = types.SimpleNamespace(synchronize=lambda: calls.append("synchronize"))
 from pipeline.titan import compat
@@ -24,10 +24,14 @@ import torchtitan.components.metrics as metrics
 class Monitor:
     device_name, device_capacity_gib = "neuron (stand-in)", 24.0
     def __init__(self, *args): pass
-    def get_peak_stats(self): calls.append("stats")
+    def get_peak_stats(self):
+        calls.append("stats")
+        return metrics.DeviceMemStats(0, 0, 3.0, 0, 0, 0)
     def reset_peak_stats(self): calls.append("reset")
 
 metrics.DeviceMemoryMonitor = Monitor
+"""
+PROBE = STAND_IN_NEURON + """
 monitor = metrics.build_device_memory_monitor()
 monitor.get_peak_stats(); monitor.reset_peak_stats(); monitor.get_peak_stats()
 print(calls, monitor.device_capacity_gib)
@@ -54,23 +58,7 @@ def test_wrapper_order_and_passthrough():
 # memory.json's peak is read through that same monitor (issue 17, 3.1): the trainer's metrics
 # processor reads it at every log and once more at the end, each read after synchronize(), and
 # training.entry.record_memory writes what it read. A stand-in run spec on trn2 (one rank).
-MEMORY_JSON_PROBE = """
-import json, sys, types, torch
-calls = []
-torch.neuron = types.SimpleNamespace(synchronize=lambda: calls.append("synchronize"))
-from pipeline.titan import compat
-compat.apply("trn2")
-import torchtitan.components.metrics as metrics
-
-class Monitor:
-    device_name, device_capacity_gib = "neuron (stand-in)", 24.0
-    def __init__(self, *args): pass
-    def get_peak_stats(self):
-        calls.append("stats")
-        return metrics.DeviceMemStats(0, 0, 3.0, 0, 0, 0)
-    def reset_peak_stats(self): calls.append("reset")
-
-metrics.DeviceMemoryMonitor = Monitor
+MEMORY_JSON_PROBE = STAND_IN_NEURON + """
 from pipeline.checkpoint.embedded import EMBEDDED
 from pipeline.checkpoint.arch import arch_from_config
 from pipeline.run.settings import TrainSettings
