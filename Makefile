@@ -90,6 +90,9 @@ TITAN_MAIN_WHEEL ?= ../shared/wheels/torchtitan-main-2026-08-21/torchtitan-0.2.2
 # The upstream-main tier's venv: the dev venv's packages beneath it (a .pth line), with torchtitan main
 # and Grain installed in it, which come first on sys.path: no second 6 GB venv.
 TITAN_MAIN_VENV := .venv-titan-main
+# A passed test's tmp_path is deleted when it ends: the suite trains and saves hundreds of tiny runs, and
+# kept until the session's end they left CI's disk too full for the image build that follows them.
+PYTEST_TMP := -o tmp_path_retention_policy=failed
 # Where the stages keep models and runs (the stages read PIPELINE_CHECKPOINTS too); clean/distclean act there,
 # and only when the directory carries the marker the pipeline writes into every checkpoints root it makes
 # (pipeline.run.store.ROOT_MARKER): PIPELINE_CHECKPOINTS=$HOME would otherwise lose every */data and */runs.
@@ -216,10 +219,10 @@ pipeline: setup ## the whole pipeline on the embedded defaults (tiny and tiny-mo
 	done
 
 test: setup ## the whole test suite, as CI runs it (CPU only; trains tiny models, rehearses the trn2 plan)
-	$(PY) -m pytest -q --durations=15 -m "not titan_e2e" tests
+	$(PY) -m pytest -q --durations=15 $(PYTEST_TMP) -m "not titan_e2e" tests
 
 test-fast: setup ## the fast tier: everything that does not train or build images (about a minute)
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q $(PYTEST_TMP) -m "not slow" tests
 
 setup-titan-main: $(TITAN_MAIN_VENV)/.installed ## the upstream torchtitan main venv of test-titan-main (from TITAN_MAIN_WHEEL)
 $(TITAN_MAIN_VENV)/.installed: requirements-titan-main.lock $(VENV)/.installed
@@ -235,7 +238,7 @@ $(TITAN_MAIN_VENV)/.installed: requirements-titan-main.lock $(VENV)/.installed
 	touch $@
 
 test-titan-main: setup-titan-main ## the fast tier plus every path's 2-step train → export → verify, on upstream torchtitan main
-	$(TITAN_MAIN_VENV)/bin/python -m pytest -q --durations=5 -m "not slow or titan_e2e" tests
+	$(TITAN_MAIN_VENV)/bin/python -m pytest -q --durations=5 $(PYTEST_TMP) -m "not slow or titan_e2e" tests
 
 bench: setup ## measure overhead, time to first step, scaling, export/verify, memory → bench/results.json
 	BENCH_REPEATS=$(call q,$(BENCH_REPEATS)) BENCH_ONLY=$(call q,$(BENCH_ONLY)) $(PY) bench/run.py

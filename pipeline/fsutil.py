@@ -12,6 +12,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
+def ordinary_mode(mode: int) -> int:
+    """`mode` less the process's umask: what mkdir or open would have given the file."""
+    with contextlib.suppress(OSError, StopIteration, ValueError):  # Linux says it without changing it
+        status = Path("/proc/self/status").read_text().splitlines()
+        return mode & ~int(next(line for line in status if line.startswith("Umask:")).split()[1], 8)
+    mask = os.umask(0o022)  # elsewhere: read by setting, at once set back (briefly process-wide)
+    os.umask(mask)
+    return mode & ~mask
+
+
 @contextlib.contextmanager
 def atomic_directory(target: Path, replace: bool = False) -> Iterator[Path]:
     """Yield a temporary sibling of `target`; rename it to `target` only if the block succeeds."""
@@ -20,6 +30,7 @@ def atomic_directory(target: Path, replace: bool = False) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         yield tmp
+        os.chmod(tmp, ordinary_mode(0o777))  # mkdtemp's 0700 would make an export others cannot read
         if target.exists():
             if not replace:
                 raise FileExistsError(f"{target} appeared while it was being written")
@@ -39,6 +50,7 @@ def atomic_write_text(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        os.chmod(tmp, ordinary_mode(0o666))  # mkstemp's 0600 is not what open() would have given
         with os.fdopen(fd, "w") as handle:
             handle.write(text)
             handle.flush()

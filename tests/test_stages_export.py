@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import subprocess
 from pathlib import Path
 
@@ -22,6 +23,10 @@ from pipeline.run.rundir import RunDir
 from pipeline.stages import export as export_stage
 from conftest import (EXPORT_MODELS, TRAINED_STEPS, copy_model, fake_run, plant_dcp_shards, read_metrics, run_dir as runs_dir,
                            run_pipeline, source_dir, tensors, tied_source_with_lm_head, weights_path)
+
+
+CURRENT_UMASK = os.umask(0o022)
+os.umask(CURRENT_UMASK)
 
 
 def export(run: Path, **kwargs) -> Path:
@@ -90,6 +95,19 @@ def test_default_export_is_bf16_of_the_last_step(export_runs, monkeypatch):
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     changed = [k for k in theirs if not torch.equal(ours[k], theirs[k].to(torch.bfloat16))]
     assert len(changed) > len(theirs) // 2
+
+
+def test_an_export_is_a_shareable_repository(export_runs, tmp_path):
+    """One shard is save_pretrained's single file; no host path in any file; modes as open/mkdir give."""
+    out = tmp_path / "e"
+    export(runs_dir(export_runs, "tiny", "native"), dtype="bfloat16", output=out)
+    assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]
+    assert not (out / hf_dir.INDEX).exists()
+    for file in out.iterdir():
+        assert str(export_runs) not in file.read_text(errors="replace"), file.name
+        assert stat.S_IMODE(file.stat().st_mode) == 0o666 & ~CURRENT_UMASK, file.name
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~CURRENT_UMASK
+    assert manifest.check(out)["run"] == "native"
 
 
 def test_existing_export_is_refused_and_force_replaces_it(export_runs, tmp_path):

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import os
+import tarfile
 from pathlib import Path
 
 import docker
@@ -108,12 +110,48 @@ def test_build_records_the_base_digest_in_the_image(tmp_path, monkeypatch):
 
     engine.api.build = fake_build
     monkeypatch.setattr(image, "make_wheelhouse", lambda spec, eng: spec.wheelhouse)
-    monkeypatch.setattr(image, "build_context", lambda spec, out: out.write_bytes(b"") or out)
+    monkeypatch.setattr(image, "context_files", lambda spec: [])
     result = image.build(image.BuildSpec(base_image=BASE, lock=lock, tag="t", wheelhouse=tmp_path / "w"), engine)
     assert built["BASE_DIGEST"] == "sha256:" + "d" * 64 == result["base_digest"] and built["BASE_IMAGE_ID"] == "sha256:1"
     dockerfile = (REPO / "Dockerfile").read_text()
     assert 'org.opencontainers.image.base.digest="${BASE_DIGEST}"' in dockerfile
     assert 'pipeline.base.id="${BASE_IMAGE_ID}"' in dockerfile
+
+
+def test_the_context_is_streamed_as_a_tar_with_every_file(tmp_path):
+    files = []
+    for name, size in (("Dockerfile", 10), ("wheels/big.whl", 3 * 2**20 + 7), ("wheels/lock.txt", 0)):
+        path = tmp_path / name.replace("/", "_")
+        path.write_bytes(os.urandom(size))
+        files.append((path, name))
+    chunks = list(image.streamed_tar(files))
+    assert len(chunks) > 1, "the context came as one piece: it was not streamed"
+    with tarfile.open(fileobj=io.BytesIO(b"".join(chunks))) as tar:
+        assert tar.getnames() == [name for _, name in files]
+        assert all(tar.extractfile(name).read() == path.read_bytes() for path, name in files)
+
+
+def test_a_missing_context_file_fails_the_stream(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        list(image.streamed_tar([(tmp_path / "gone.whl", "wheels/gone.whl")]))
+
+
+def test_an_engine_out_of_disk_is_named_with_the_fix(tmp_path, monkeypatch):
+    lock = tmp_path / "requirements.lock"
+    lock.write_text("torch==2.14.0\n")
+    engine = FakeEngine(present={BASE, "t"})
+    said = "Error processing tar file(exit status 1): write /wheels/torch.whl: no space left on device"
+
+    def refused(**kwargs):
+        list(kwargs["fileobj"])  # the engine read the context, then failed writing it
+        raise docker.errors.APIError("500 Server Error", explanation=said)
+
+    engine.api.build = refused
+    monkeypatch.setattr(image, "make_wheelhouse", lambda spec, eng: spec.wheelhouse)
+    monkeypatch.setattr(image, "context_files", lambda spec: [])
+    with pytest.raises(PipelineError) as raised:
+        image.build(image.BuildSpec(base_image=BASE, lock=lock, tag="t", wheelhouse=tmp_path / "w"), engine)
+    assert said in str(raised.value) and "DockerRootDir" in raised.value.fix
 
 
 def test_devices_owned_by_a_group_others_cannot_use_add_that_group(tmp_path):
@@ -175,7 +213,7 @@ def test_build_pulls_the_base_before_the_wheelhouse(tmp_path, monkeypatch):
     order = []
     engine = FakeEngine(chunks=[{"status": "Pull complete", "id": "a1"}])
     monkeypatch.setattr(image, "make_wheelhouse", lambda spec, eng: order.append(("wheelhouse", eng.api.pulled[:])))
-    monkeypatch.setattr(image, "build_context", lambda spec, out: (_ for _ in ()).throw(RuntimeError("stop here")))
+    monkeypatch.setattr(image, "context_files", lambda spec: (_ for _ in ()).throw(RuntimeError("stop here")))
     spec = image.BuildSpec(base_image=BASE, lock=lock, tag="t", wheelhouse=tmp_path / "w")
     with pytest.raises(RuntimeError, match="stop here"):
         image.build(spec, engine)

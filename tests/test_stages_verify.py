@@ -35,8 +35,10 @@ def exports(runs, tmp_path_factory) -> dict:
     out = {}
     for model, step, dtype in (("tiny", 0, "float32"), ("tiny", 0, "bfloat16"), ("tiny-moe", 0, "float32"),
                                ("tiny", TRAINED_STEPS, "bfloat16"), ("tiny-moe", TRAINED_STEPS, "float32")):
+        # The float32 step-0 exports are sharded (an index and several files) for the index checks below.
         out[model, step, dtype] = export_stage.export(export_stage.ExportConfig(
-            RunDir(runs_dir(runs, model, "native")), dtype=dtype, step=step, output=base / f"{model}-{step}-{dtype}"))
+            RunDir(runs_dir(runs, model, "native")), dtype=dtype, step=step, output=base / f"{model}-{step}-{dtype}",
+            max_shard_size="10MB" if (step, dtype) == (0, "float32") else "5GB"))
     return out
 
 
@@ -151,8 +153,8 @@ def shard_of(directory: Path) -> Path:
     return hf_dir.shard_files(directory)[0]
 
 
-def expect_failure(exports, tmp_path, capsys, broken, match, failing, model="tiny"):
-    source = Path(json.loads((exports[model, 0, "float32"] / manifest.MANIFEST).read_text())["source"])
+def expect_failure(exports, runs, tmp_path, capsys, broken, match, failing, model="tiny"):
+    source = source_dir(runs, model)
     status, err, written = run_cli(broken, source, tmp_path / "v.json", capsys)
     assert status == 2
     assert err.startswith("error: verify failed") and "\n" not in err and match in err, err
@@ -161,50 +163,50 @@ def expect_failure(exports, tmp_path, capsys, broken, match, failing, model="tin
     return written
 
 
-def test_truncated_shard(exports, tmp_path, capsys):
+def test_truncated_shard(exports, runs, tmp_path, capsys):
     broken = broken_copy(exports, tmp_path)
     shard = shard_of(broken)
     shard.write_bytes(shard.read_bytes()[:-100])
-    expect_failure(exports, tmp_path, capsys, broken, "truncated", {"files"})
+    expect_failure(exports, runs, tmp_path, capsys, broken, "truncated", {"files"})
 
 
-def test_index_naming_a_missing_shard(exports, tmp_path, capsys):
+def test_index_naming_a_missing_shard(exports, runs, tmp_path, capsys):
     broken = broken_copy(exports, tmp_path)
     shard_of(broken).unlink()
-    expect_failure(exports, tmp_path, capsys, broken, "names shards that are missing", {"files"})
+    expect_failure(exports, runs, tmp_path, capsys, broken, "names shards that are missing", {"files"})
 
 
-def test_shard_not_in_the_index(exports, tmp_path, capsys):
+def test_shard_not_in_the_index(exports, runs, tmp_path, capsys):
     broken = broken_copy(exports, tmp_path)
     save_file({"x": torch.zeros(1)}, str(broken / "model-extra.safetensors"))
-    expect_failure(exports, tmp_path, capsys, broken, "shards not in", {"files"})
+    expect_failure(exports, runs, tmp_path, capsys, broken, "shards not in", {"files"})
 
 
-def test_pickle_is_refused_never_loaded(exports, tmp_path, capsys):
+def test_pickle_is_refused_never_loaded(exports, runs, tmp_path, capsys):
     broken = broken_copy(exports, tmp_path)
     (broken / "pytorch_model.bin").write_bytes(b"not even a pickle: opening it would fail differently")
-    expect_failure(exports, tmp_path, capsys, broken, "pickle-based weight files ['pytorch_model.bin']", {"files"})
+    expect_failure(exports, runs, tmp_path, capsys, broken, "pickle-based weight files ['pytorch_model.bin']", {"files"})
 
 
-def test_config_disagreeing_with_the_tensors(exports, tmp_path, capsys):
+def test_config_disagreeing_with_the_tensors(exports, runs, tmp_path, capsys):
     broken = broken_copy(exports, tmp_path)
     config = json.loads((broken / "config.json").read_text())
     config["intermediate_size"] = 96
     (broken / "config.json").write_text(json.dumps(config))
-    expect_failure(exports, tmp_path, capsys, broken, "config.json disagrees with the tensors", {"files"})
+    expect_failure(exports, runs, tmp_path, capsys, broken, "config.json disagrees with the tensors", {"files"})
 
 
-def test_nan_in_a_tensor(exports, tmp_path, capsys):
+def test_nan_in_a_tensor(exports, runs, tmp_path, capsys):
     broken = broken_copy(exports, tmp_path)
-    shard = shard_of(broken)
+    shard = broken / json.loads((broken / hf_dir.INDEX).read_text())["weight_map"]["model.norm.weight"]
     state = load_file(str(shard))
     state["model.norm.weight"][0] = float("nan")
     save_file(state, str(shard), metadata={"format": "pt"})
-    written = expect_failure(exports, tmp_path, capsys, broken, "", {"finite", "manifest"})
+    written = expect_failure(exports, runs, tmp_path, capsys, broken, "", {"finite", "manifest"})
     assert "model.norm.weight" in next(c["detail"] for c in written["checks"] if c["name"] == "finite")
 
 
-def test_missing_moe_expert_is_caught_on_disk_and_at_load(exports, tmp_path, capsys):
+def test_missing_moe_expert_is_caught_on_disk_and_at_load(exports, runs, tmp_path, capsys):
     broken = broken_copy(exports, tmp_path, model="tiny-moe")
     index = json.loads((broken / hf_dir.INDEX).read_text())
     key = "model.layers.1.mlp.experts.2.up_proj.weight"
@@ -213,7 +215,7 @@ def test_missing_moe_expert_is_caught_on_disk_and_at_load(exports, tmp_path, cap
     del state[key]
     save_file(state, str(shard), metadata={"format": "pt"})
     (broken / hf_dir.INDEX).write_text(json.dumps(index))
-    written = expect_failure(exports, tmp_path, capsys, broken, "", {"files"}, model="tiny-moe")
+    written = expect_failure(exports, runs, tmp_path, capsys, broken, "", {"files"}, model="tiny-moe")
     assert key in next(c["detail"] for c in written["checks"] if c["name"] == "files")
 
 

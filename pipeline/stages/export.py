@@ -186,8 +186,9 @@ def write_shards(pieces: list[Piece], convert: Converter, tmp: Path, max_shard_s
                     writer.write(convert.get(by_key[key]))
                     bar.update(meta[key].numel() * meta[key].element_size())
                 hashes[filename] = writer.close()
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(split.tensor_to_filename.items()))}
-    (tmp / hf_dir.INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    if split.is_sharded:  # one shard is save_pretrained's single file, model.safetensors, with no index
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(split.tensor_to_filename.items()))}
+        (tmp / hf_dir.INDEX).write_text(json.dumps(index, indent=2) + "\n")
     return hashes
 
 
@@ -226,8 +227,9 @@ def export(config: ExportConfig) -> Path:
                 shutil.copy2(source / name, tmp / name)
         hf_dir.validate(tmp)
         model_card.write(tmp, config.run, step, config.dtype)
-        manifest.write(tmp, {"step": step, "dtype": config.dtype, "source": str(source),
-                             "run_dir": str(config.run.path), "weights": str(weights)}, known=hashes)
+        # Names, never host paths: the directory is shared as a model repository.
+        manifest.write(tmp, {"step": step, "dtype": config.dtype, "model": spec.model, "run": config.run.path.name,
+                             "path": spec.path, "weights": weights.name}, known=hashes)
     size = sum(p.stat().st_size for p in config.target.glob("*.safetensors"))
     print(f"exported step {step} of {config.run.path} → {config.target} ({len(pieces)} tensors, {config.dtype}, "
           f"{size / 2**20:.1f} MiB, {time.perf_counter() - started:.1f} s)")

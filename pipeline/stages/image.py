@@ -17,8 +17,9 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -221,24 +222,50 @@ def make_wheelhouse(spec: BuildSpec, engine) -> Path:
     return spec.wheelhouse
 
 
-def build_context(spec: BuildSpec, out: Path) -> Path:
-    """The repo filtered by .dockerignore, plus the wheelhouse as wheels/ (it may live anywhere)."""
+def context_files(spec: BuildSpec) -> list[tuple[Path, str]]:
+    """(file, name in the context): the repo filtered by .dockerignore, plus the wheelhouse as wheels/
+    (it may live anywhere)."""
     from docker.utils.build import exclude_paths
 
     patterns = [p for p in (store.REPO / ".dockerignore").read_text().splitlines() if p.strip() and p[0] != "#"]
     included = sorted(exclude_paths(str(store.REPO), patterns, dockerfile="Dockerfile"))
-    with tarfile.open(out, "w") as tar:
-        for rel in included:
-            full = store.REPO / rel
-            if full.is_file() and not rel.startswith("wheels/"):
-                tar.add(full, arcname=rel, recursive=False)
-        for wheel in sorted(spec.wheelhouse.iterdir()):
-            if wheel.suffix == ".whl" or wheel.name in WHEELHOUSE_RECORDS:
-                tar.add(wheel, arcname=f"wheels/{wheel.name}")
-    return out
+    files = [(store.REPO / rel, rel) for rel in included
+             if (store.REPO / rel).is_file() and not rel.startswith("wheels/")]
+    files += [(wheel, f"wheels/{wheel.name}") for wheel in sorted(spec.wheelhouse.iterdir())
+              if wheel.suffix == ".whl" or wheel.name in WHEELHOUSE_RECORDS]
+    return files
+
+
+def streamed_tar(files: list[tuple[Path, str]]) -> Iterator[bytes]:
+    """The files as one tar, made while the engine reads it. A CUDA-torch wheelhouse is GBs: written to
+    a file first, it took that much more disk, and on a nearly full one the engine's own copy of the
+    context then failed ("no space left on device")."""
+    read_fd, write_fd = os.pipe()
+    failure: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            with os.fdopen(write_fd, "wb") as sink, tarfile.open(fileobj=sink, mode="w|") as tar:
+                for path, name in files:
+                    tar.add(path, arcname=name, recursive=False)
+        except BrokenPipeError:
+            pass  # the reader stopped (the engine refused the build): its error is the one reported
+        except BaseException as err:  # noqa: BLE001 - handed to the reading side, which raises it
+            failure.append(err)
+
+    writer = threading.Thread(target=write, name="build-context", daemon=True)
+    writer.start()
+    with os.fdopen(read_fd, "rb") as source:
+        while chunk := source.read(1 << 20):
+            yield chunk
+    writer.join()
+    if failure:
+        raise failure[0]
 
 
 def build(spec: BuildSpec, engine=None) -> dict:
+    import docker
+
     check_lock(spec.lock)  # a placeholder or wildcard pin is refused before anything is pulled or built
     engine = engine or client()
     started = time.monotonic()
@@ -246,27 +273,38 @@ def build(spec: BuildSpec, engine=None) -> dict:
     print(f"base image {base.name}: {base.recorded_digest}"
           + ("" if base.digest else " (made locally: no registry digest)"), flush=True)
     make_wheelhouse(spec, engine)
-    with tempfile.TemporaryDirectory(prefix="pipeline-context-") as tmp:
-        context = build_context(spec, Path(tmp) / "context.tar")
-        buildargs = {"BASE_IMAGE": spec.base_image, "BASE_DIGEST": base.recorded_digest, "BASE_IMAGE_ID": base.image_id,
-                     "PYTHON": spec.python, "LOCK_SHA256": lock_sha256(spec.lock), "PIPELINE_REVISION": _git_revision()}
-        print(f"building {spec.tag} from {spec.base_image} ({context.stat().st_size / 2**20:.0f} MiB context)",
-              flush=True)
-        with open(context, "rb") as fileobj:
-            stream = engine.api.build(fileobj=fileobj, custom_context=True, tag=spec.tag, buildargs=buildargs,
-                                      rm=True, forcerm=True, decode=True)
-            for chunk in stream:
-                if "stream" in chunk:
-                    sys.stdout.write(chunk["stream"])
-                    sys.stdout.flush()
-                elif "error" in chunk:
-                    raise PipelineError(f"image build failed: {chunk['error'].strip()}",
-                                        "read the build output above.")
+    files = context_files(spec)
+    buildargs = {"BASE_IMAGE": spec.base_image, "BASE_DIGEST": base.recorded_digest, "BASE_IMAGE_ID": base.image_id,
+                 "PYTHON": spec.python, "LOCK_SHA256": lock_sha256(spec.lock), "PIPELINE_REVISION": _git_revision()}
+    print(f"building {spec.tag} from {spec.base_image} "
+          f"({sum(path.stat().st_size for path, _ in files) / 2**20:.0f} MiB context)", flush=True)
+    try:
+        stream = engine.api.build(fileobj=streamed_tar(files), custom_context=True, tag=spec.tag, buildargs=buildargs,
+                                  rm=True, forcerm=True, decode=True)
+        for chunk in stream:
+            if "stream" in chunk:
+                sys.stdout.write(chunk["stream"])
+                sys.stdout.flush()
+            elif "error" in chunk:
+                raise PipelineError(f"image build failed: {chunk['error'].strip()}", "read the build output above.")
+    except docker.errors.APIError as err:
+        raise PipelineError(*_engine_refusal(err)) from err
     image = engine.images.get(spec.tag)
     seconds = time.monotonic() - started
     print(f"built {spec.tag} ({image.short_id}, {image.attrs['Size'] / 2**20:.0f} MiB) in {seconds:.0f} s")
     return {"tag": spec.tag, "id": image.id, "size_bytes": image.attrs["Size"], "seconds": seconds,
             "base_digest": base.recorded_digest}
+
+
+def _engine_refusal(err) -> tuple[str, str]:
+    """(problem, fix) of a build the engine refused before any step ran."""
+    said = (getattr(err, "explanation", None) or str(err)).strip()
+    if "no space left on device" in said.lower():
+        return (f"the Docker engine ran out of disk while building: {said}",
+                "free space on the disk holding the engine's data-root (`docker info -f {{.DockerRootDir}}`; "
+                "`docker system df` shows what uses it), then rerun. The image's layers take about twice the "
+                "wheelhouse's size (a 3.1 GB wheelhouse made a 7.3 GB test image, tests/test_stages_image.py).")
+    return f"the Docker engine refused the build: {said}", "read the engine's message; `docker info` shows its state."
 
 
 def _git_revision() -> str:
