@@ -52,6 +52,8 @@ JOB_NAME|qwen3-<model>-<path>|launch-*: the job's name
 PVC|fsx-claim|launch-eks: the PersistentVolumeClaim of the shared checkpoints
 NAMESPACE|default|launch-eks: the namespace
 LAUNCH_DIR|checkpoints/<key>/launch/<scheduler>-<NODES>|launch-*: where the files are written
+HUB_REPO||publish: the Hub model repository (<user or org>/<name>) a run's verified export is uploaded to
+PUBLIC|0|publish: 1 creates the repository public (default private)
 REGISTRY||push: registry/repository to push the image to (e.g. <account>.dkr.ecr.<region>.amazonaws.com/qwen3)
 BENCH_REPEATS|2|bench: repeats per measurement
 BENCH_ONLY|all|bench: comma-separated sections
@@ -64,7 +66,7 @@ export VARIABLES
 # by launch-* into the launch files), never refused. HF_TOKEN is a secret: from the environment only.
 EXTERNAL_VARS := HF_HOME HF_HUB_CACHE HF_HUB_OFFLINE HF_ENDPOINT PIPELINE_CHECKPOINTS DOCKER_HOST
 KNOWN_VARS := $(foreach line,$(subst $(newline),$(space),$(subst $(space),~,$(VARIABLES))),$(firstword $(subst |, ,$(line))))
-BOOL_VARS := DRY_RUN FRESH FORCE IN_CONTAINER
+BOOL_VARS := DRY_RUN FRESH FORCE IN_CONTAINER PUBLIC
 
 # A value reaches the shell as one single-quoted word, whatever it holds (`;`, `$(…)`, backticks, `#`):
 # every user value in a recipe goes through q, never pasted bare.
@@ -113,7 +115,7 @@ TRAIN_DEPS := $(if $(call on,DRY_RUN),,download data)
 EMBEDDED_MODELS := tiny tiny-moe
 
 .PHONY: help setup python-check download data train-hf train-native train-nki export verify-checkpoint \
-        verify-kernels report image push doctor launch-slurm launch-eks rehearse pipeline sft lora test test-fast \
+        verify-kernels report publish image push doctor launch-slurm launch-eks rehearse pipeline sft lora test test-fast \
         setup-titan-main test-titan-main bench clean distclean
 
 help: ## list the targets and variables
@@ -185,6 +187,10 @@ launch-slurm: setup ## render an sbatch script for NODES trn2 nodes (the train-*
 
 launch-eks: setup ## render Kubernetes manifests for NODES trn2 nodes (the train-* variables, IMAGE pushed by digest)
 	$(HOST_PIPE) launch --scheduler eks --nodes $(call q,$(or $(NODES),2)) --path $(call q,$(TRAIN_PATH)) $(TRAIN_FLAGS) $(LAUNCH_FLAGS) $(EKS_FLAGS)
+
+publish: setup ## upload a run's verified export to the Hub repository HUB_REPO (HF_TOKEN; private unless PUBLIC=1; DRY_RUN=1 lists the files)
+	$(PIPE) publish --model $(call q,$(MODEL)) --path $(call q,$(TRAIN_PATH)) $(if $(RUN_NAME),--name $(call q,$(RUN_NAME))) \
+	  --repo $(call q,$(HUB_REPO)) $(if $(call on,PUBLIC),--public) $(if $(call on,DRY_RUN),--dry-run)
 
 push: setup ## push the built image to REGISTRY (docker credentials), record its digest for launch-*
 	$(HOST_PIPE) push $(if $(REGISTRY),--registry $(call q,$(REGISTRY))) $(if $(IMAGE),--image $(call q,$(IMAGE)))

@@ -17,6 +17,7 @@ STAGES = {
     "export": ("pipeline.stages.export", "write a run's last checkpoint as HF safetensors"),
     "verify": ("pipeline.stages.verify", "prove an export reloads: keys, tensors, step-1 loss"),
     "verify-kernels": ("pipeline.stages.verify_kernels", "check every NKI override against its reference"),
+    "publish": ("pipeline.stages.publish", "upload a run's verified export to a Hugging Face Hub model repository"),
     "report": ("pipeline.stages.report", "loss curves and a summary of a model's runs"),
     "image": ("pipeline.stages.image", "build the container image through the Docker SDK"),
     "push": ("pipeline.stages.push", "push the built image to a registry and record its digest for launch"),

@@ -23,10 +23,11 @@ sys.path.insert(0, str(REPO))
 MODEL_PARTS = ("source.json", "source", "data")
 
 
-def run_pipeline(*args: str, root: Path, check: bool = True, timeout: int = 600) -> subprocess.CompletedProcess:
-    """`python -m pipeline …` exactly as a user runs it, with outputs under `root`."""
+def run_pipeline(*args: str, root: Path, check: bool = True, timeout: int = 600,
+                 env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m pipeline …` exactly as a user runs it, with outputs under `root` (and `env` over ours)."""
     env = {**os.environ, "PIPELINE_CHECKPOINTS": str(root), "MALLOC_MMAP_THRESHOLD_": "4294967296",
-           "MALLOC_TRIM_THRESHOLD_": "4294967296"}
+           "MALLOC_TRIM_THRESHOLD_": "4294967296", **(env or {})}
     result = subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=REPO, env=env, capture_output=True,
                             text=True, timeout=timeout)
     if check and result.returncode != 0:

@@ -30,3 +30,31 @@ def test_the_card_says_what_the_checkpoint_is_without_host_paths(tmp_path):
                      "8.9000 (step 1) → 8.7000 (step 2)"):
         assert expected in text, (expected, text)
     assert str(tmp_path) not in text and "/tmp" not in text
+
+
+def test_verify_s_verdict_goes_into_the_card_and_the_manifest_stays_true(tmp_path):
+    from types import SimpleNamespace
+
+    from pipeline.checkpoint import manifest
+
+    spec = resolved(tmp_path)
+    run = recorded_run(tmp_path / "tiny" / "runs" / "native", spec, steps_done=2)
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "model.safetensors").write_bytes(b"weights")
+    model_card.write(export, RunDir(run.path), 2, "float32")
+    manifest.write(export, {"step": 2, "dtype": "float32"})
+    assert "not verified yet" in (export / "README.md").read_text()
+    check = SimpleNamespace
+    passed = SimpleNamespace(checks=[check(name="files", passed=True), check(name="load", passed=True)],
+                             step1_loss={"export": 8.123456, "logged": 8.1234})
+    model_card.record_verdict(export, RunDir(run.path), passed)
+    assert "| verify | passed all 2 checks; step-1 loss 8.1235 (logged in training: 8.1234) |" in \
+        (export / "README.md").read_text()
+    assert manifest.check(export)["step"] == 2 and manifest.read(export)["verify"]["passed"] is True
+    failed = SimpleNamespace(checks=[check(name="files", passed=True), check(name="load", passed=False)],
+                             step1_loss={"export": None})
+    model_card.record_verdict(export, RunDir(run.path), failed)
+    assert "| verify | FAILED 1 of 2 checks (first: load) |" in (export / "README.md").read_text()
+    assert set(manifest.check(export)["files"]) == {"model.safetensors", "README.md"}
+    assert manifest.read(export)["verify"] == {"passed": False, "detail": "FAILED 1 of 2 checks (first: load)"}

@@ -120,6 +120,12 @@ def test_cli_by_model_and_path_writes_verify_json_in_the_run_dir(runs):
     assert "PASSED" in result.stdout and "round-trip" not in result.stdout and "changed" in result.stdout
     written = json.loads((runs_dir(runs, "tiny", "native") / "verify.json").read_text())
     assert written["passed"] is True and set(written) == SCHEMA
+    export = runs_dir(runs, "tiny", "native") / "export"
+    card = (export / "README.md").read_text()
+    assert f"| verify | passed all {len(written['checks'])} checks; step-1 loss" in card, card
+    manifest.check(export)  # the card's new sha256 was recorded with it
+    result = run_pipeline("verify", "--model", "tiny", "--path", "native", root=runs)  # verifies again, card included
+    assert "PASSED" in result.stdout
 
 
 def test_tied_source_storing_lm_head_round_trips(runs, tmp_path):

@@ -24,16 +24,20 @@ def write(directory: Path, info: dict, known: dict[str, str] | None = None) -> N
     """`known`: sha256 already computed while a file was written (export's shards), not re-read."""
     known = known or {}
     files = {p.name: {"sha256": known.get(p.name) or sha256(p), "bytes": p.stat().st_size}
-             for p in sorted(Path(directory).iterdir()) if p.is_file()}
+             for p in sorted(Path(directory).iterdir()) if p.is_file() and p.name != MANIFEST}
     atomic_write_text(Path(directory) / MANIFEST, json.dumps({**info, "files": files}, indent=2) + "\n")
+
+
+def read(directory: Path) -> dict:
+    path = Path(directory) / MANIFEST
+    if not path.exists():
+        raise PipelineError(f"{directory} has no {MANIFEST}: not a complete export.", "re-run `make export … FORCE=1`.")
+    return json.loads(path.read_text())
 
 
 def check(directory: Path) -> dict:
     """Re-hash every file listed in manifest.json; raise on any difference."""
-    path = Path(directory) / MANIFEST
-    if not path.exists():
-        raise PipelineError(f"{directory} has no {MANIFEST}: not a complete export.", "re-run `make export … FORCE=1`.")
-    manifest = json.loads(path.read_text())
+    manifest = read(directory)
     for name, entry in manifest["files"].items():
         file = Path(directory) / name
         if not file.exists():

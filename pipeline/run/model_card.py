@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from pipeline.checkpoint import manifest
+from pipeline.fsutil import atomic_write_text
 from pipeline.run.rundir import RunDir
 
 CARD = "README.md"
@@ -27,7 +29,7 @@ def _data_name(spec) -> str:
     return spec.settings.dataset
 
 
-def render(run: RunDir, step: int, dtype: str) -> str:
+def render(run: RunDir, step: int, dtype: str, verdict: str | None = None) -> str:
     from huggingface_hub import ModelCard, ModelCardData
 
     spec = run.spec()
@@ -57,14 +59,32 @@ def render(run: RunDir, step: int, dtype: str) -> str:
         f"| method | {lora} |",
         f"| final training loss | {f'{final:.4f}' if final is not None else '—'} |",
         f"| held-out eval loss | {' → '.join(f'{v:.4f} (step {st})' for st, v in (evals[:1] + evals[-1:]) if evals) or '—'} |",
-        f"| verify | `make verify-checkpoint` writes its verdict to the run's verify.json |",
+        f"| verify | {verdict or 'not verified yet (`make verify-checkpoint` writes its verdict here)'} |",
     ]
     card = ModelCard.from_template(data, template_str="---\n{{ card_data }}\n---\n\n{{ body }}\n",
                                    body="\n".join(lines))
     return str(card)
 
 
-def write(directory: Path, run: RunDir, step: int, dtype: str) -> Path:
+def write(directory: Path, run: RunDir, step: int, dtype: str, verdict: str | None = None) -> Path:
     path = Path(directory) / CARD
-    path.write_text(render(run, step, dtype))
+    atomic_write_text(path, render(run, step, dtype, verdict))
     return path
+
+
+def record_verdict(export: Path, run: RunDir, verification) -> None:
+    """verify's verdict into the export's card, and with the card's new sha256 into manifest.json (where
+    `publish` reads it), so the shared directory says whether it passed. Only the card is re-hashed."""
+    listed = manifest.read(export)
+    failed = [c for c in verification.checks if not c.passed]
+    losses = verification.step1_loss
+    if failed:
+        verdict = f"FAILED {len(failed)} of {len(verification.checks)} checks (first: {failed[0].name})"
+    else:
+        verdict = f"passed all {len(verification.checks)} checks"
+        if isinstance(losses.get("export"), float):
+            verdict += f"; step-1 loss {losses['export']:.4f} (logged in training: {losses.get('logged') or '—'})"
+    write(export, run, listed["step"], listed["dtype"], verdict)
+    known = {name: entry["sha256"] for name, entry in listed["files"].items() if name != CARD}
+    info = {k: v for k, v in listed.items() if k != "files"}
+    manifest.write(export, {**info, "verify": {"passed": not failed, "detail": verdict}}, known=known)

@@ -39,7 +39,7 @@ from pipeline.checkpoint import hf_dir, manifest
 from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_write_text
 from pipeline.models import registry
-from pipeline.run import rundir, store
+from pipeline.run import model_card, rundir, store
 from pipeline.run.rundir import RunDir
 from pipeline.stages import verify_run
 
@@ -137,6 +137,9 @@ def run(args: argparse.Namespace) -> Verification:
         raise PipelineError(f"reference {reference} is not a directory.", "give the downloaded source checkpoint.")
     output = args.output or (run_dir.verify if run_dir else Path(checkpoint).parent / rundir.VERIFY)
     result = verify(Path(checkpoint), Path(reference), run_dir, output)
+    if run_dir is not None and Path(checkpoint).resolve() == run_dir.export.resolve() \
+            and (run_dir.export / manifest.MANIFEST).exists():
+        model_card.record_verdict(run_dir.export, run_dir, result)  # the shared directory says how it fared
     failed = [c for c in result.checks if not c.passed]
     if failed:
         raise PipelineError(f"verify failed ({len(failed)} of {len(result.checks)} checks), first: {failed[0].name}: "
