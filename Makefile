@@ -29,6 +29,9 @@ SEQ_LEN|config|sequence length
 NPROC|config|ranks per node
 CONFIG||your config file, layered over configs/<TARGET>.toml key by key
 DATASET|config|local (the model's data/train.jsonl), a .jsonl/.txt file, a torchtitan dataset (c4) or a Hub dataset id
+DATASET_SPLIT|train|data: copy this split of the Hub dataset DATASET for fine-tuning (data/hub/; runs with DATASET then read the copy)
+DATASET_EVAL_SPLIT||data: its held-out split, copied beside it for eval loss (e.g. test)
+DATASET_COLUMNS||data: our column=theirs, comma-separated (messages, prompt, completion, text), e.g. messages=conversations
 REVISION|configs/models.toml|Hub revision (commit) to download and train from
 TITAN_ARGS||torchtitan flags over the built config, e.g. "--training.steps 5 --lr-scheduler.warmup-steps 1" (--help lists them)
 DRY_RUN|0|1: resolve and print the run and its torchrun command, launch nothing
@@ -144,7 +147,9 @@ download: setup ## the checkpoint a model's runs start from (Hub, local dir, or 
 	$(PIPE) download --model $(call q,$(MODEL)) $(if $(REVISION),--revision $(call q,$(REVISION))) $(if $(call on,FORCE),--force)
 
 data: setup ## the training text (held-out corpus for the embedded defaults)
-	$(PIPE) data --model $(call q,$(MODEL))
+	$(PIPE) data --model $(call q,$(MODEL)) $(if $(DATASET),--dataset $(call q,$(DATASET))) \
+	  $(if $(DATASET_SPLIT),--split $(call q,$(DATASET_SPLIT))) $(if $(DATASET_EVAL_SPLIT),--eval-split $(call q,$(DATASET_EVAL_SPLIT))) \
+	  $(if $(DATASET_COLUMNS),--columns $(call q,$(DATASET_COLUMNS)))
 
 train-hf: setup $(TRAIN_DEPS) ## Transformers v5 Qwen3 (AutoModelForCausalLM) trained by torchtitan
 	$(PIPE) train --path hf $(TRAIN_FLAGS)

@@ -150,13 +150,23 @@ def _classes():
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self._turn_end = turn_end(self._tokenizer)
+            self._dropped_in_a_row = 0
 
         def _tokenize_sample(self, sample):
             messages = self._sample_processor(sample)
             problem = conversation_problem({"messages": messages})
             if problem:
                 raise ValueError(f"chat sample {self._sample_idx} {problem}")
-            return tokenize_conversation(self._tokenizer, messages, self.seq_len, self._turn_end)
+            tokens = tokenize_conversation(self._tokenizer, messages, self.seq_len, self._turn_end)
+            self._dropped_in_a_row = self._dropped_in_a_row + 1 if tokens is None else 0
+            if self._dropped_in_a_row >= len(self._data):
+                # torchtitan's loop would re-loop forever (training) or yield no batch (eval) without a word
+                from pipeline.errors import PipelineError
+
+                raise PipelineError(f"none of the {len(self._data)} conversations of this rank's share of "
+                                    f"{getattr(self, 'origin', self._dataset_id)} fits in seq_len {self.seq_len} tokens (longer ones are "
+                                    "dropped, never cut).", "raise SEQ_LEN, or give shorter conversations.")
+            return tokens
 
     class ChatDataLoader(ParallelAwareDataloader):
         """torchtitan's ChatDataLoader with MultiTurnChatDataset in place of ChatDataset."""
@@ -185,6 +195,7 @@ def _classes():
                 dataset=records, tokenizer=tokenizer,
                 sample_processor=config.sample_processor, seq_len=seq_len, dp_rank=dp_rank,
                 dp_world_size=dp_world_size, infinite=config.infinite)
+            dataset.origin = config.load_dataset_kwargs.get("data_files")
             super().__init__(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size,
                              num_workers=config.num_workers, persistent_workers=config.persistent_workers,
                              pin_memory=config.pin_memory, prefetch_factor=config.prefetch_factor,

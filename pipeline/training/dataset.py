@@ -8,7 +8,9 @@ each rank with torchtitan's dataset registry (so torchtitan's own HF text loader
                     told apart by the first record's keys
   a .txt file       plain UTF-8 text, one document per paragraph (blank-line separated)
   c4, c4_test, …    a torchtitan dataset (titan.api.titan_datasets()); C4 is trn2's default
-  org/name          a Hub dataset with a "text" column, streamed (split "train")
+  org/name          a Hub dataset: its local copy when `make data DATASET=org/name DATASET_SPLIT=…`
+                    wrote one (hub_copy: fine-tuning sets, chat or text, any split and column
+                    names), else streamed with a "text" column (split "train")
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ TEXT_BYTES_CHECKED = 1 << 16
 LINE_BYTES_CHECKED = 16 << 20
 
 
+HUB_COPIES = "hub"  # data/hub/<org>--<name>.jsonl: a Hub dataset's split as the data stage wrote it
 CHAT = "chat"
 CHAT_FILE = "chat.jsonl"  # beside the model's data/train.jsonl
 CHAT_EVAL_FILE = "chat_eval.jsonl"  # its held-out conversations (eval loss; never trained on)
@@ -69,14 +72,27 @@ def resolve(dataset: str, local_file: Path, check_local: bool = True, model: str
         _check_titan_dataset(dataset)
         return DataSource("titan", dataset)
     path = Path(dataset).expanduser()
+    if path.is_dir() and hub_copy(Path(local_file).parent, dataset).exists():  # a local dataset directory, copied
+        copy = hub_copy(Path(local_file).parent, dataset)
+        return DataSource("file", dataset, str(copy), check_file(copy))
     if path.suffix in FILE_FORMATS or path.exists() or dataset.startswith(("/", ".", "~")):
         form = check_file(path)
         return DataSource("file", dataset, str(path.resolve()), form)
     if HUB_ID.fullmatch(dataset):
+        copy = hub_copy(Path(local_file).parent, dataset)
+        if copy.exists():  # a split the data stage copied, columns renamed: read like any file
+            return DataSource("file", dataset, str(copy), check_file(copy))
         return DataSource("hub", dataset)
     raise PipelineError(f"DATASET={dataset!r} is not {LOCAL!r}, a .jsonl/.txt file, a torchtitan dataset "
                         f"({', '.join(api.titan_datasets())}) or a Hub dataset id (org/name).",
                         "check the spelling, or give the path of an existing file.")
+
+
+def hub_copy(data_dir: Path, dataset: str) -> Path:
+    """Where the data stage writes a Hub dataset's split (its record beside it, .json); a local dataset
+    directory's copy is named by the directory."""
+    name = dataset.replace("/", "--") if HUB_ID.fullmatch(dataset) else Path(dataset).expanduser().resolve().name
+    return Path(data_dir) / HUB_COPIES / f"{name}.jsonl"
 
 
 def check_file(path: Path) -> str:
@@ -289,14 +305,17 @@ def _one_line_errors(loader, source: DataSource):
 
 def eval_file(settings, data: DataSource, local_file: Path, check_local: bool = True) -> str | None:
     """The held-out file eval loss is computed on: `eval_dataset` when given (a file of the training
-    data's format), else the dataset's own held-out split (DATASET=chat: data/chat_eval.jsonl), else
-    None (no eval). Never the training file itself."""
+    data's format), else the dataset's own held-out split (DATASET=chat: data/chat_eval.jsonl; a Hub
+    copy: the DATASET_EVAL_SPLIT copied beside it), else None (no eval). Never the training file itself."""
     if settings.eval_every <= 0:
         return None
     if settings.eval_steps < 1:
         raise PipelineError(f"eval_steps = {settings.eval_steps}: eval needs at least one batch.",
                             "set eval_steps ≥ 1, or eval_every = 0 to turn eval off.")
     if not settings.eval_dataset:
+        held_copy = Path(data.file).with_suffix(".eval.jsonl") if data.file else None
+        if data.file and Path(data.file).parent.name == HUB_COPIES and held_copy.exists():
+            return str(held_copy)  # the Hub dataset's eval split, copied beside its training split
         if data.dataset != CHAT:
             return None
         held = Path(local_file).with_name(CHAT_EVAL_FILE)
