@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import PipelineError
+from pipeline.titan import api
 from pipeline.training import chat, dataset
+from conftest import dry_run_spec, run_pipeline
 
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},
@@ -175,3 +177,17 @@ def test_step1_loss_is_plain_transformers_loss_over_the_assistant_tokens(sft_run
     for path in ("hf", "nki"):  # the same data and masks on the other paths: the same step-1 loss
         other = json.loads((runs[path] / "metrics.jsonl").read_text().splitlines()[0])["loss"]
         assert abs(other - logged) < 1e-4, (path, other, logged)
+
+
+def test_chat_on_torchtitan_main_is_refused_by_the_launcher_before_any_rank(tmp_path):
+    """Both tiers run this: on main's API the dry run itself refuses in one line; on 0.3.0 it resolves."""
+    result = run_pipeline("train", "--model", "tiny", "--path", "native", "--dataset", "chat", "--dry-run",
+                          root=tmp_path, check=False)
+    if api.variant() == api.MAIN:
+        assert result.returncode == 2, result.stdout[-1500:]
+        assert result.stderr.strip().splitlines() == [next(line for line in result.stderr.splitlines()
+                                                           if "not supported on upstream torchtitan main" in line)]
+        assert "torchrun" not in result.stdout
+    else:
+        assert result.returncode == 0, result.stderr[-1500:]
+        assert dry_run_spec(result.stdout)["data_format"] == "chat"

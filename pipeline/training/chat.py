@@ -115,8 +115,9 @@ def _token_boundary(tokenizer, tokens: list[int], text: str, at: int) -> int:
 
 # ---- rank side: torchtitan 0.3.0's chat dataset with multi-turn tokenisation ---------------------
 
-def dataloader_config(data_file: str):
-    """The Trainer.Config dataloader for a chat JSON-lines file."""
+def check_supported() -> None:
+    """Chat data needs torchtitan 0.3.0's ChatDataset: refused on main's API, by the launcher before any
+    rank starts (and by a rank, should one be started otherwise)."""
     from pipeline.errors import PipelineError
     from pipeline.titan import api
 
@@ -125,6 +126,11 @@ def dataloader_config(data_file: str):
                             "neuron): this loader extends torchtitan 0.3.0's ChatDataset, which main replaced with a "
                             "single-turn ChatProcessor over packed tokens.",
                             "fine-tune chat data with torchtitan 0.3.0 (requirements-dev.lock), or give DATASET= text.")
+
+
+def dataloader_config(data_file: str):
+    """The Trainer.Config dataloader for a chat JSON-lines file."""
+    check_supported()
     return _classes()[1].Config(dataset_path="json", load_dataset_kwargs={"data_files": data_file, "split": "train"},
                                 sample_processor=to_messages, infinite=True)
 
