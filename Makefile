@@ -40,6 +40,7 @@ FRESH|0|1: discard the run (its checkpoints, metrics, export and verify results)
 FORCE|0|1: replace an existing download or export
 DTYPE|$(DTYPE)|export dtype: bfloat16 or float32
 MAX_SHARD_SIZE|5GB|largest export shard
+ADAPTER|0|export: 1 writes a LoRA run's adapters alone, in PEFT's layout, to <run dir>/export-adapter
 CHECKPOINT||verify-checkpoint: an HF directory to verify (with REFERENCE)
 REFERENCE||verify-checkpoint: the checkpoint it must match
 NODES|2|launch-slurm / launch-eks: number of trn2 nodes; rehearse: CPU "nodes" of its two-node run (0 skips it)
@@ -69,7 +70,7 @@ export VARIABLES
 # by launch-* into the launch files), never refused. HF_TOKEN is a secret: from the environment only.
 EXTERNAL_VARS := HF_HOME HF_HUB_CACHE HF_HUB_OFFLINE HF_ENDPOINT PIPELINE_CHECKPOINTS DOCKER_HOST
 KNOWN_VARS := $(foreach line,$(subst $(newline),$(space),$(subst $(space),~,$(VARIABLES))),$(firstword $(subst |, ,$(line))))
-BOOL_VARS := DRY_RUN FRESH FORCE IN_CONTAINER PUBLIC
+BOOL_VARS := DRY_RUN FRESH FORCE IN_CONTAINER PUBLIC ADAPTER
 
 # A value reaches the shell as one single-quoted word, whatever it holds (`;`, `$(…)`, backticks, `#`):
 # every user value in a recipe goes through q, never pasted bare.
@@ -162,7 +163,7 @@ train-nki: setup $(TRAIN_DEPS) ## native Qwen3 with NKI kernels (RoPE, MoE) via 
 
 export: setup ## HF safetensors of a run's last checkpoint: <run dir>/export
 	$(PIPE) export --model $(call q,$(MODEL)) --path $(call q,$(TRAIN_PATH)) $(if $(RUN_NAME),--name $(call q,$(RUN_NAME))) --dtype $(call q,$(DTYPE)) $(if $(call on,FORCE),--force) \
-	  $(if $(MAX_SHARD_SIZE),--max-shard-size $(call q,$(MAX_SHARD_SIZE)))
+	  $(if $(MAX_SHARD_SIZE),--max-shard-size $(call q,$(MAX_SHARD_SIZE))) $(if $(call on,ADAPTER),--adapter)
 
 verify-checkpoint: setup ## reload an export: zero missing keys, tensors, step-1 loss → verify.json
 	$(PIPE) verify $(if $(CHECKPOINT),--checkpoint $(call q,$(CHECKPOINT)) --reference $(call q,$(REFERENCE)),--model $(call q,$(MODEL)) --path $(call q,$(TRAIN_PATH)) $(if $(RUN_NAME),--name $(call q,$(RUN_NAME))))
@@ -217,8 +218,9 @@ sft: setup $(TRAIN_DEPS) ## supervised fine-tuning on chat data (configs/finetun
 
 lora: CONFIG ?= configs/finetune/lora.toml
 lora: RUN_NAME ?= lora
-lora: setup $(TRAIN_DEPS) ## LoRA fine-tuning on chat data (configs/finetune/lora.toml; native or nki), then export (merged weights) + verify → runs/<RUN_NAME, default lora>
+lora: setup $(TRAIN_DEPS) ## LoRA fine-tuning on chat data (configs/finetune/lora.toml; native or nki), then export (merged weights) + verify, and the adapters alone (PEFT layout) → runs/<RUN_NAME, default lora>
 	$(FINETUNE)
+	$(if $(call on,DRY_RUN),,$(PIPE) export --model $(call q,$(MODEL)) --path $(call q,$(TRAIN_PATH)) --name $(call q,$(RUN_NAME)) --adapter --dtype float32 --force)
 
 pipeline: setup ## the whole pipeline on the embedded defaults (tiny and tiny-moe)
 	set -e; for m in $(EMBEDDED_MODELS); do \

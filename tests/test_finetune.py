@@ -78,3 +78,18 @@ def test_make_lora_trains_adapters_only_and_exports_merged_weights(checkpoints, 
     for key, value in source.items():
         moved = not exported[key].equal(value)
         assert moved == any(p in key for p in projections), key
+    # The adapters alone (make lora writes them too): PEFT itself loads them over the source model, and
+    # its merge is the export's merged weights — the q/k/v split of the fused wqkv adapter included.
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    adapter_dir = run / "export-adapter"
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    assert config["r"] == 8 and set(config["target_modules"]) == set(projections)
+    base = AutoModelForCausalLM.from_pretrained(str(root / "tiny" / "source"), dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(base, str(adapter_dir))
+    assert sum(1 for name, _ in peft_model.named_modules() if name.endswith(".lora_A")) == 7 * 2  # 2 layers
+    merged = peft_model.merge_and_unload().state_dict()
+    for key, value in exported.items():
+        assert torch.allclose(merged[key], value, atol=1e-6, rtol=0), (key, (merged[key] - value).abs().max())

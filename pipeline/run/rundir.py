@@ -36,6 +36,7 @@ CHECKPOINT = "checkpoint"
 # safetensors (torchtitan keys). DCP's own .metadata is a pickle, and this project never unpickles a
 # checkpoint; export reads this file. It is renamed into place after DCP finished the step.
 WEIGHTS = "model_weights.safetensors"
+ADAPTERS = "lora_adapters.safetensors"  # a LoRA run's last step: the adapters alone, torchtitan's keys
 DCP_METADATA = ".metadata"
 DCP_SHARD = re.compile(r"__(\d+)_\d+\.distcp")  # torch.distributed.checkpoint.filesystem: <prefix __rank_><n>.distcp
 EXPORT = "export"
@@ -85,6 +86,11 @@ class RunDir:
     @property
     def export(self) -> Path:
         return self.path / EXPORT
+
+    @property
+    def adapter_export(self) -> Path:
+        """`export --adapter`: a LoRA run's adapters alone, in the layout PEFT loads."""
+        return self.path / f"{EXPORT}-adapter"
 
     @property
     def verify(self) -> Path:

@@ -26,7 +26,7 @@ from pipeline.checkpoint.arch import Qwen3Arch, load_arch
 from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_directory
 from pipeline.models import registry
-from pipeline.run import model_card, store
+from pipeline.run import model_card, rundir, store
 from pipeline.run.rundir import RunDir, RunLock
 from pipeline.run.settings import DTYPES
 from pipeline.run.spec import RunSpec
@@ -60,6 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-shard-size", default="5GB", help="largest shard, e.g. 5GB, 500MB")
     parser.add_argument("--step", type=int, help="checkpoint step to export (default: the last)")
     parser.add_argument("--force", action="store_true", help="replace an existing export (atomically)")
+    parser.add_argument("--adapter", action="store_true",
+                        help="a LoRA run's adapters alone, in PEFT's layout, to <run dir>/export-adapter")
 
 
 def run(args: argparse.Namespace) -> Path:
@@ -74,7 +76,7 @@ def run(args: argparse.Namespace) -> Path:
                           max_shard_size=args.max_shard_size, step=args.step, force=args.force)
     config.run.spec()  # no run there: say so before a lock file is made
     with RunLock(config.run, activity="exporting"):  # no training or second export writes there meanwhile
-        return export(config)
+        return export_adapter(config) if args.adapter else export(config)
 
 
 @dataclass
@@ -234,3 +236,48 @@ def export(config: ExportConfig) -> Path:
     print(f"exported step {step} of {config.run.path} → {config.target} ({len(pieces)} tensors, {config.dtype}, "
           f"{size / 2**20:.1f} MiB, {time.perf_counter() - started:.1f} s)")
     return config.target
+
+
+def export_adapter(config: ExportConfig) -> Path:
+    """A LoRA run's adapters as PEFT saves them (adapter_config.json, adapter_model.safetensors), for
+    `PeftModel.from_pretrained(<the source model>, <this directory>)`."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from pipeline.titan import lora
+
+    started = time.perf_counter()
+    spec = config.run.spec()
+    settings = spec.settings
+    if settings.lora_rank <= 0:
+        raise PipelineError(f"run {config.run.path.name} is not a LoRA run (lora_rank = 0): it has no adapters.",
+                            "export its full weights (without ADAPTER=1).")
+    target = Path(config.output) if config.output else config.run.adapter_export
+    if target.exists() and not config.force:
+        raise PipelineError(f"{target} already exists.", "pass FORCE=1 (--force) to replace it.")
+    step, weights = config.run.weights_file(config.step)
+    adapters_file = weights.with_name(rundir.ADAPTERS)
+    if not adapters_file.is_file():
+        raise PipelineError(f"{adapters_file} does not exist: step {step} was saved without its adapters.",
+                            "train the run again with FRESH=1 (a run's last step saves them).")
+    header = hf_dir.read_header(weights, f"delete {weights} and rerun the training command.")
+    meta = {key: torch.empty(info.shape, device="meta") for key, info in header.items()}
+    model_spec = registry.get(spec.path).build(spec)
+    adapter = model_spec.state_dict_adapter(model_spec.model, None)
+    tensors = lora.peft_tensors(load_file(str(adapters_file)), meta,
+                                lambda key: next(iter(adapter.to_hf({key: meta[key]}))), spec.arch.num_key_value_heads)
+    modules = sorted({key.split(".lora_")[0].rsplit(".", 1)[1] for key in tensors})
+    peft_config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": settings.lora_rank,
+                   "lora_alpha": settings.lora_alpha, "target_modules": modules, "lora_dropout": 0.0,
+                   "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "use_rslora": False,
+                   "base_model_name_or_path": spec.model}
+    with atomic_directory(target, replace=config.force) as tmp:
+        save_file({k: v.to(getattr(torch, config.dtype)) for k, v in tensors.items()},
+                  str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        (tmp / "adapter_config.json").write_text(json.dumps(peft_config, indent=2) + "\n")
+        manifest.write(tmp, {"step": step, "dtype": config.dtype, "model": spec.model, "run": config.run.path.name,
+                             "path": spec.path, "adapters": adapters_file.name})
+    print(f"exported the LoRA adapters of step {step} of {config.run.path} → {target} ({len(tensors) // 2} adapted "
+          f"modules: {', '.join(modules)}; rank {settings.lora_rank}, alpha {settings.lora_alpha}, "
+          f"{time.perf_counter() - started:.1f} s)")
+    return target

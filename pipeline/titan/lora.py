@@ -21,6 +21,34 @@ def freeze_base(model_parts) -> int:
     return trainable
 
 
+def adapter_tensors(state: list[tuple[str, object]]) -> list[tuple[str, object]]:
+    """(key, full CPU tensor) of every adapter; every rank calls it (DTensors gather collectively)."""
+    from torch.distributed.tensor import DTensor
+
+    return [(key, (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu().contiguous())
+            for key, value in state if key.endswith((ADAPTER_A, ADAPTER_B))]
+
+
+def peft_tensors(adapters: dict, weights: dict, to_hf_key, kv_heads: int) -> dict:
+    """The adapters in PEFT's layout: `base_model.model.<HF module>.lora_A/lora_B.weight`. `weights`:
+    the run's weight keys → tensors or meta tensors (shapes only), `to_hf_key` maps one of them to its
+    HF key. A fused wqkv adapter becomes q/k/v adapters sharing A, each with its rows of B: B·A's rows
+    are B's rows times A, so each part's delta is exactly its rows of the fused delta (merged())."""
+    out = {}
+    for key in adapters:
+        if not key.endswith(ADAPTER_A):
+            continue
+        module = key.removesuffix(ADAPTER_A)
+        a, b = adapters[key], adapters[module + ADAPTER_B]
+        prefix, _, name = module.rpartition(".")
+        parts = [(f"{prefix}.{p}", p) for p in FUSED_PARTS] if name == "wqkv" else [(module, None)]
+        for base, part in parts:
+            rows = b if part is None else _fused_part(b, part, kv_heads, weights, prefix)
+            hf = "base_model.model." + to_hf_key(base + ".weight").removesuffix(".weight")
+            out[hf + ".lora_A.weight"], out[hf + ".lora_B.weight"] = a.clone(), rows.contiguous()
+    return out
+
+
 def merged(state: list[tuple[str, object]], rank: int, alpha: float, kv_heads: int) -> list[tuple[str, object]]:
     """(key, full tensor) with each adapted weight merged and the adapter keys dropped. Gathers one
     weight and its adapters at a time (DTensors are materialised with full_tensor on every rank)."""

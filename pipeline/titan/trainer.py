@@ -224,9 +224,11 @@ class WeightsCheckpointManager(compat.checkpoint_manager_base()):
         # keys torchtitan's state-dict hooks make (fused wqkv split into wq/wk/wv). torchtitan's own
         # ModelWrapper gives the canonical keys, in the model's order, the same on every rank.
         state = list(self.states[MODEL].state_dict().items())
+        adapters = None
         if self.lora is not None:  # LoRA: the merged weights, a plain model for export and verify
             from pipeline.titan import lora
 
+            adapters = lora.adapter_tensors(state)  # and the adapters alone, for `export --adapter`
             state = lora.merged(state, *self.lora)
         aliases = [_aliases(state) if rank == 0 else None]
         if distributed:
@@ -264,6 +266,11 @@ class WeightsCheckpointManager(compat.checkpoint_manager_base()):
         if distributed:
             torch.distributed.barrier()
         if rank == 0:
+            if adapters is not None:  # before the weights: a step with weights has its adapters too
+                from safetensors.torch import save_file
+
+                save_file(dict(adapters), str(directory / f".{rundir.ADAPTERS}.tmp"), metadata={"format": "pt"})
+                os.replace(directory / f".{rundir.ADAPTERS}.tmp", directory / rundir.ADAPTERS)
             os.replace(tmp, directory / rundir.WEIGHTS)
             logger.info(f"Saved the model weights of step {step} to {directory / rundir.WEIGHTS}")
         if distributed:
