@@ -164,5 +164,6 @@ def test_make_rehearse_runs_the_stage():
     assert result.returncode == 0, result.stderr
     import shlex
 
-    commands = [shlex.split(line) for line in result.stdout.splitlines() if "-m pipeline" in line]  # the words the shell runs
+    lines = result.stdout.replace("\\\n", " ").splitlines()  # a recipe line continued with a backslash is one command
+    commands = [shlex.split(line) for line in lines if "-m pipeline" in line]  # the words the shell runs
     assert [".venv/bin/python", "-m", "pipeline", "rehearse", "--model", "tiny-moe", "--nodes", "0"] in commands
