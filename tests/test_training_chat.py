@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import PipelineError
-from pipeline.titan import api
 from pipeline.training import chat, dataset
 from conftest import dry_run_spec, run_pipeline
 
@@ -141,6 +140,7 @@ def test_step1_loss_is_plain_transformers_loss_over_the_assistant_tokens(sft_run
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(source))
     model = transformers.AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32).eval()
     batch = load_file(str(runs["native"] / "first_batch" / "rank0.safetensors"))
+    batch = {k: v.unsqueeze(0) if v.dim() == 1 else v for k, v in batch.items()}  # main records one [T] row
     assert json.loads((runs["native"] / "run.json").read_text())["data_format"] == "chat"
     # Every conversation's rendering, by transformers' own tokenizer, and its assistant text.
     rendered = {}  # the inputs of each conversation (its tokens but the last) → the conversation
@@ -179,15 +179,9 @@ def test_step1_loss_is_plain_transformers_loss_over_the_assistant_tokens(sft_run
         assert abs(other - logged) < 1e-4, (path, other, logged)
 
 
-def test_chat_on_torchtitan_main_is_refused_by_the_launcher_before_any_rank(tmp_path):
-    """Both tiers run this: on main's API the dry run itself refuses in one line; on 0.3.0 it resolves."""
+def test_chat_resolves_on_the_installed_torchtitan_api(tmp_path):
+    """Both tiers run this: chat data is a supported run on 0.3.0 and on main's API (the dry run resolves)."""
     result = run_pipeline("train", "--model", "tiny", "--path", "native", "--dataset", "chat", "--dry-run",
                           root=tmp_path, check=False)
-    if api.variant() == api.MAIN:
-        assert result.returncode == 2, result.stdout[-1500:]
-        assert result.stderr.strip().splitlines() == [next(line for line in result.stderr.splitlines()
-                                                           if "not supported on upstream torchtitan main" in line)]
-        assert "torchrun" not in result.stdout
-    else:
-        assert result.returncode == 0, result.stderr[-1500:]
-        assert dry_run_spec(result.stdout)["data_format"] == "chat"
+    assert result.returncode == 0, result.stderr[-1500:]
+    assert dry_run_spec(result.stdout)["data_format"] == "chat"

@@ -39,3 +39,28 @@ def test_trains_exports_and_verifies(root, model, path):
     # reached the model as recorded (packed tokens on main), and the loss is torchtitan's
     assert report["passed"] and checks["step1-loss-source"]["passed"], checks["step1-loss-source"]
     assert checks["load"]["passed"]
+
+
+def test_chat_sft_masks_the_prompts_on_the_installed_api(root):
+    """Multi-turn chat SFT (make sft's settings) on the installed API: the logged step-1 loss is plain
+    transformers' over the recorded batch, whose labels keep only the assistant turns (so the mask and
+    each conversation's own positions reached the model as recorded), and eval loss is logged."""
+    from pipeline.training import chat
+
+    run_pipeline("train", "--model", "tiny", "--path", "native", "--steps", "3", "--dataset", "chat",
+                 "--config", "configs/finetune/sft.toml", "--name", "sft-e2e", root=root)
+    run_pipeline("export", "--model", "tiny", "--path", "native", "--name", "sft-e2e", "--dtype", "float32", root=root)
+    verified = run_pipeline("verify", "--model", "tiny", "--path", "native", "--name", "sft-e2e", root=root)
+    assert "PASSED" in verified.stdout
+    run = run_dir(root, "tiny", "sft-e2e")
+    checks = {c["name"]: c for c in json.loads((run / "verify.json").read_text())["checks"]}
+    assert checks["step1-loss-source"]["passed"], checks["step1-loss-source"]
+    from safetensors.torch import load_file
+
+    batch = load_file(str(run / "first_batch" / "rank0.safetensors"))
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "eval_loss" in m] == [1], metrics
+    masked = (batch["labels"] == chat.IGNORE_INDEX).float().mean().item()
+    assert 0.2 < masked < 0.95, masked  # prompts and padding masked, assistant turns trained
+    starts = int((batch["positions"].flatten() == 0).sum())
+    assert starts >= 2, starts  # packed conversations, each with its own positions from 0

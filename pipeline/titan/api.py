@@ -116,6 +116,17 @@ def text_dataloader(source, registered_name: str):
                                   shuffle=False, repeat=True)
 
 
+def chat_dataloader(data_file: str, processor):
+    """main only: the Grain loader over a chat JSON-lines file, conversations packed first-fit (each
+    keeps its own positions, so attention stays within it), in file order, `processor` tokenising."""
+    from torchtitan.components.data import (FirstFitPackingConfig, GrainDataLoader, HuggingFaceRandomAccessSource,
+                                            SingleDatasetConfig)
+
+    source = HuggingFaceRandomAccessSource.Config(path="json", split="train", load_dataset_kwargs={"data_files": data_file})
+    return GrainDataLoader.Config(dataset=FirstFitPackingConfig(dataset=SingleDatasetConfig(
+        source=source, processor=processor, post_filters=(_is_sample,))), shuffle=False, repeat=True)
+
+
 def register_text_dataset(name: str, kind: str, location: str, file_format: str | None,
                           wrap_loader=lambda loader: loader) -> None:
     """Add a file (`json`/`text`) or a Hub dataset (`kind == "hub"`) to torchtitan's DATASETS under

@@ -16,7 +16,9 @@ torchtitan 0.3.0's ChatDataset packs samples greedily with per-document position
 build their block-causal masks from positions restarting at 0) but accepts one [user, assistant]
 pair and masks only the first prompt; MultiTurnChatDataset keeps its packing, checkpointing and
 re-looping and replaces the tokenisation. torchtitan main moved this to ChatProcessor (a
-SampleProcessor with the same _tokenize_sample shape); `tokenize_conversation` is the part both use.
+SampleProcessor with the same _tokenize_sample shape and the same single-turn limit) under the Grain
+loader; MultiTurnChatProcessor replaces its tokenisation the same way. `tokenize_conversation` is the
+part both use.
 """
 
 from __future__ import annotations
@@ -113,26 +115,57 @@ def _token_boundary(tokenizer, tokens: list[int], text: str, at: int) -> int:
     return len(head)
 
 
-# ---- rank side: torchtitan 0.3.0's chat dataset with multi-turn tokenisation ---------------------
+# ---- rank side: multi-turn tokenisation in torchtitan's chat loaders (0.3.0 and main) ------------
 
-def check_supported() -> None:
-    """Chat data needs torchtitan 0.3.0's ChatDataset: refused on main's API, by the launcher before any
-    rank starts (and by a rank, should one be started otherwise)."""
-    from pipeline.errors import PipelineError
+def dataloader_config(data_file: str):
+    """The Trainer.Config dataloader for a chat JSON-lines file: 0.3.0's ChatDataset, or on main's API
+    the Grain loader packing conversations first-fit, each tokenised by MultiTurnChatProcessor."""
     from pipeline.titan import api
 
     if api.folded_batch():
-        raise PipelineError("chat data is not supported on upstream torchtitan main's API (the image's torchtitan-"
-                            "neuron): this loader extends torchtitan 0.3.0's ChatDataset, which main replaced with a "
-                            "single-turn ChatProcessor over packed tokens.",
-                            "fine-tune chat data with torchtitan 0.3.0 (requirements-dev.lock), or give DATASET= text.")
-
-
-def dataloader_config(data_file: str):
-    """The Trainer.Config dataloader for a chat JSON-lines file."""
-    check_supported()
+        return api.chat_dataloader(data_file, _main_processor().Config(messages_fn=to_messages))
     return _classes()[1].Config(dataset_path="json", load_dataset_kwargs={"data_files": data_file, "split": "train"},
                                 sample_processor=to_messages, infinite=True)
+
+
+_MAIN_PROCESSOR = None
+
+
+def _main_processor():
+    """torchtitan main's ChatProcessor (single-turn: one [user, assistant] pair, that prompt masked) with
+    tokenize_conversation in place of its tokenisation: any number of turns, every assistant turn
+    trained, both boundaries of each checked. Made on first use: ranks only import torchtitan."""
+    global _MAIN_PROCESSOR
+    if _MAIN_PROCESSOR is not None:
+        return _MAIN_PROCESSOR
+    from dataclasses import dataclass
+
+    import numpy as np
+    from torchtitan.components.data.dataset import TextSequence
+    from torchtitan.hf_datasets.text_datasets import ChatProcessor
+
+    class MultiTurnChatProcessor(ChatProcessor):
+        @dataclass(kw_only=True, slots=True)
+        class Config(ChatProcessor.Config):
+            pass
+
+        def __init__(self, config, *, context):
+            super().__init__(config, context=context)
+            self._turn_end = turn_end(self._tokenizer)
+
+        def _tokenize_sample(self, sample):
+            messages = self._messages_fn(sample)
+            problem = conversation_problem({"messages": messages})
+            if problem:
+                raise ValueError(f"chat sample {problem}")
+            tokens = tokenize_conversation(self._tokenizer, messages, self._max_context_length, self._turn_end)
+            if tokens is None:
+                return None  # longer than max_context_length: dropped, as ChatProcessor drops it
+            return TextSequence(input_ids=np.asarray(tokens[0], dtype=np.int64),
+                                labels=np.asarray(tokens[1], dtype=np.int64))
+
+    _MAIN_PROCESSOR = MultiTurnChatProcessor
+    return _MAIN_PROCESSOR
 
 
 _CLASSES: tuple | None = None

@@ -19,7 +19,7 @@ from pipeline.run import settings as settings_mod
 from pipeline.run import store, targets
 from pipeline.run.settings import TrainSettings
 from pipeline.run.spec import RunSpec
-from pipeline.training import chat, dataset
+from pipeline.training import dataset
 from pipeline.training import memory
 from pipeline.training import titan_assets
 
@@ -64,8 +64,6 @@ def resolve(request: RunRequest) -> RunSpec:
         arch = hf_dir.validate(source_dir).arch
     data = dataset.resolve(cfg.dataset, home.data_file, check_local=not request.dry_run, model=request.model)
     eval_file = dataset.eval_file(cfg, data, home.data_file, check_local=not request.dry_run)
-    if data.format == "chat":
-        chat.check_supported()
     if not request.dry_run:
         titan_assets.tokenizer_dir(cfg.tokenizer, str(source_dir))  # found before any rank starts
     spec = RunSpec(
