@@ -57,3 +57,47 @@ def test_a_ranks_own_error_is_the_launchers(tmp_path):
     run.record_failure(1, "seq_len 9000 exceeds max_position_embeddings 4096.", "use SEQ_LEN ≤ 4096.")
     run.record_failure(0, "a later rank's error", "not this one")
     assert train._failure(1, [], run, 0) == ("seq_len 9000 exceeds max_position_embeddings 4096.", "use SEQ_LEN ≤ 4096.")
+
+
+SLEEPS = "import os, pathlib, sys, time\npathlib.Path(sys.argv[1], os.environ['RANK']).write_text(str(os.getpid()))\ntime.sleep(120)\n"
+LAUNCHER = "import sys\nfrom pipeline.stages import train\ntrain._run_teeing_stderr(sys.argv[1:], None)\n"
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as handle:  # a zombie waiting for its reaper is gone too
+        return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_killed_launcher_takes_torchrun_and_its_ranks_with_it(tmp_path):
+    import os
+    import signal
+    import time
+
+    script = tmp_path / "sleeps.py"
+    script.write_text(SLEEPS)
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=2",
+               f"--log-dir={tmp_path / 'logs'}", str(script), str(pids)]
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, *command], cwd=REPO, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while len(list(pids.iterdir())) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    ranks = [int(p.read_text()) for p in pids.iterdir()]
+    assert len(ranks) == 2, "the ranks never started"
+    launcher.send_signal(signal.SIGKILL)  # as a CI timeout or kill -9 does
+    launcher.wait()
+    deadline = time.monotonic() + 60
+    while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    survivors = [pid for pid in ranks if _alive(pid)]
+    for pid in survivors:
+        os.kill(pid, signal.SIGKILL)
+    assert not survivors, "torchrun's ranks outlived the killed launcher"

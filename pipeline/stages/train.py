@@ -149,7 +149,8 @@ def _mem_available_gib() -> float | None:
 def _run_teeing_stderr(command: list[str], env: dict) -> tuple[int, list[str]]:
     """Run torchrun with its stderr passed through live and its last lines kept: torchrun's error
     summary there is the only place that says how a rank ended (exit status or signal)."""
-    proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1)
+    proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1,
+                            preexec_fn=_stop_with_the_launcher if sys.platform.startswith("linux") else None)
     tail: collections.deque[str] = collections.deque(maxlen=400)
 
     def copy() -> None:
@@ -167,6 +168,17 @@ def _run_teeing_stderr(command: list[str], env: dict) -> tuple[int, list[str]]:
         code = proc.wait()
     reader.join(timeout=10)
     return code, list(tail)
+
+
+def _stop_with_the_launcher() -> None:
+    """In torchrun's process, before exec: SIGTERM when the launcher dies, however it dies. A killed
+    launcher (kill -9, a CI timeout) otherwise left torchrun and its ranks training on, seen here for
+    an hour, writing into a run the user may start again; torchrun stops its ranks on SIGTERM, and the
+    ranks die with torchrun (training.entry). Popen runs this in the main thread's child, so the
+    signal follows the launcher's main thread, which lives as long as the launcher."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _oom_kills() -> int:
