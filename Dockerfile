@@ -1,7 +1,7 @@
 # The pipeline image: the Neuron SDK 2.33 PyTorch training DLC (TorchNeuron, native PyTorch
 # 2.14) plus what requirements.lock adds to the base's own packages (docker/wheelhouse.py: the base
 # keeps its versions, differences are printed and recorded), installed from a hash-checked
-# wheelhouse, running as a non-root user. Built by `make image` (pipeline/stages/image.py), which makes the wheelhouse inside the base
+# wheelhouse, running as a non-root user. Built by `make image` (pipeline/host/image.py), which makes the wheelhouse inside the base
 # image and adds it to the build context as wheels/.
 #
 # BASE_IMAGE: UNCONFIRMED. The tag follows AWS's Neuron DLC naming for SDK 2.33 (tags ending
@@ -32,7 +32,7 @@ RUN ${PYTHON} -m venv /opt/pipeline-venv \
 # A second stage so the wheelhouse never becomes a layer of the final image.
 FROM ${BASE_IMAGE}
 ARG BASE_IMAGE
-# What BASE_IMAGE resolved to when `make image` inspected it (pipeline/stages/image.py): the registry's
+# What BASE_IMAGE resolved to when `make image` inspected it (pipeline/host/image.py): the registry's
 # manifest digest when the base was pulled, the local image id otherwise.
 ARG BASE_DIGEST=unknown
 ARG BASE_IMAGE_ID=unknown

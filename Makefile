@@ -23,7 +23,9 @@ IN_CONTAINER ?= $(if $(HAS_NEURON),$(if $(wildcard $(VENV)/lib/python*/site-pack
 define VARIABLES
 MODEL|$(MODEL)|Hub id (org/name), a local HF directory, or tiny / tiny-moe (embedded)
 TARGET|detected|cpu, cuda or trn2
-TRAIN_PATH|$(TRAIN_PATH)|training path of export/verify-checkpoint/launch: hf, native or nki
+TRAIN_PATH|$(TRAIN_PATH)|training path of export/verify-checkpoint/launch (`python -m pipeline paths` lists them)
+MODELS|tiny tiny-moe|pipeline: the models it runs (space-separated MODEL values)
+PATHS|every path|pipeline: the training paths it runs (space-separated)
 STEPS|config|training steps
 SEQ_LEN|config|sequence length
 NPROC|config|ranks per node
@@ -118,13 +120,16 @@ PIPE := $(if $(call on,IN_CONTAINER),$(HOST_PIPE) image $(if $(IMAGE),--image $(
 TRAIN_DEPS := $(if $(call on,DRY_RUN),,download data)
 EMBEDDED_MODELS := tiny tiny-moe
 
-.PHONY: help setup python-check download data train-hf train-native train-nki export verify-checkpoint \
+.PHONY: help setup python-check download data export verify-checkpoint \
         verify-kernels report publish image push doctor launch-slurm launch-eks rehearse pipeline sft lora test test-fast \
         setup-titan-main test-titan-main bench clean distclean
 
 help: ## list the targets and variables
 	@echo "targets:"
 	@grep -hE '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
+	@paths="$$($(if $(wildcard $(VENV)/bin/python),$(PY),$(call q,$(PYTHON))) -m pipeline paths --describe 2>/dev/null)" \
+	  && echo "$$paths" | awk -F': ' '{printf "  %-18s %s\n", "train-" $$1, $$2}' \
+	  || echo "  train-<path>       train one training path (python -m pipeline paths lists them)"
 	@echo "variables (default in brackets):"
 	@echo "$$VARIABLES" | awk -F'|' '{printf "  %-15s [%s] %s\n", $$1, $$2, $$3}'
 
@@ -152,14 +157,11 @@ data: setup ## the training text (held-out corpus for the embedded defaults)
 	  $(if $(DATASET_SPLIT),--split $(call q,$(DATASET_SPLIT))) $(if $(DATASET_EVAL_SPLIT),--eval-split $(call q,$(DATASET_EVAL_SPLIT))) \
 	  $(if $(DATASET_COLUMNS),--columns $(call q,$(DATASET_COLUMNS)))
 
-train-hf: setup $(TRAIN_DEPS) ## Transformers v5 Qwen3 (AutoModelForCausalLM) trained by torchtitan
-	$(PIPE) train --path hf $(TRAIN_FLAGS)
-
-train-native: setup $(TRAIN_DEPS) ## torchtitan's own Qwen3 (dense and MoE), weights from the HF checkpoint
-	$(PIPE) train --path native $(TRAIN_FLAGS)
-
-train-nki: setup $(TRAIN_DEPS) ## native Qwen3 with NKI kernels (RoPE, MoE) via torchtitan's override registry
-	$(PIPE) train --path nki $(TRAIN_FLAGS)
+# One target per training path, train-<path>: the paths are the registry's (`python -m pipeline paths`), e.g.
+# train-hf (Transformers v5 Qwen3 via AutoModelForCausalLM), train-native (torchtitan's own Qwen3, dense and
+# MoE), train-nki (native Qwen3 with NKI kernels via torchtitan's override registry).
+train-%: setup $(TRAIN_DEPS)
+	$(PIPE) train --path $(call q,$*) $(TRAIN_FLAGS)
 
 export: setup ## HF safetensors of a run's last checkpoint: <run dir>/export
 	$(PIPE) export --model $(call q,$(MODEL)) --path $(call q,$(TRAIN_PATH)) $(if $(RUN_NAME),--name $(call q,$(RUN_NAME))) --dtype $(call q,$(DTYPE)) $(if $(call on,FORCE),--force) \
@@ -222,13 +224,13 @@ lora: setup $(TRAIN_DEPS) ## LoRA fine-tuning on chat data (configs/finetune/lor
 	$(FINETUNE)
 	$(if $(call on,DRY_RUN),,$(PIPE) export --model $(call q,$(MODEL)) --path $(call q,$(TRAIN_PATH)) --name $(call q,$(RUN_NAME)) --adapter --dtype float32 --force)
 
-pipeline: setup ## the whole pipeline on the embedded defaults (tiny and tiny-moe)
-	set -e; for m in $(EMBEDDED_MODELS); do \
-	  for p in hf native nki; do \
-	    $(MAKE) --no-print-directory train-$$p MODEL=$$m FRESH=1; \
-	    $(MAKE) --no-print-directory export verify-checkpoint MODEL=$$m TRAIN_PATH=$$p FORCE=1 DTYPE=float32; \
+pipeline: setup ## the whole pipeline: every path (PATHS, default the registry's) of every model (MODELS, default the embedded tiny and tiny-moe): train, export, verify, report
+	set -e; for m in $(foreach m,$(or $(MODELS),$(EMBEDDED_MODELS)),$(call q,$(m))); do \
+	  for p in $(if $(PATHS),$(foreach p,$(PATHS),$(call q,$(p))),$$($(PY) -m pipeline paths)); do \
+	    $(MAKE) --no-print-directory "train-$$p" MODEL="$$m" FRESH=1; \
+	    $(MAKE) --no-print-directory export verify-checkpoint MODEL="$$m" TRAIN_PATH="$$p" FORCE=1 $(if $(MODELS),,DTYPE=float32); \
 	  done; \
-	  $(MAKE) --no-print-directory report MODEL=$$m; \
+	  $(MAKE) --no-print-directory report MODEL="$$m"; \
 	done
 
 test: setup ## the whole test suite, as CI runs it (CPU only; trains tiny models, rehearses the trn2 plan)

@@ -2,7 +2,7 @@
 # A private Docker engine for CI and the container tests: its own data-root, exec-root and
 # socket, so it never touches (or depends on) a system dockerd. Stopped by its own PID.
 #   source .ci/dockerd.sh && dockerd_start   # exports DOCKER_HOST
-#   ...                                       # tests/test_stages_image.py uses it
+#   ...                                       # tests/host/test_host_image.py uses it
 #   dockerd_stop
 # or as a command: .ci/dockerd.sh start|stop|status (start prints the DOCKER_HOST to export).
 # Needs root (dockerd does); installs Debian's docker.io when dockerd is missing.

@@ -10,7 +10,7 @@
 #   2. bare torchtitan (`torchtitan.train`, its own qwen3_0_6b config) on the same data and shapes, as a
 #      reference for tokens/s;
 #   3. tiny's step-1 loss in bf16 on the GPU against the same run in fp32 on the CPU, within the bf16
-#      tolerance verify uses (pipeline/stages/verify.py LOGGED_LOSS_TOLERANCE).
+#      tolerance verify uses (pipeline/dtypes.py: DTYPES[...].logged_loss).
 # Writes $OUT/cuda.json and puts it under the "cuda" key of bench/results.json.
 # Usage: bench/cuda_check.sh [STEPS]   (OUT defaults to /tmp/cuda_check)
 set -euo pipefail
@@ -61,7 +61,7 @@ cp "$TINY/metrics.jsonl" "$OUT/tiny_cpu_metrics.jsonl"
 $PY - "$RUN" "$OUT" <<'PYEOF'
 import json, re, statistics, sys
 from pathlib import Path
-from pipeline.stages.verify import LOGGED_LOSS_TOLERANCE
+from pipeline.dtypes import DTYPES
 run, out = Path(sys.argv[1]), Path(sys.argv[2])
 rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if l.strip()]
 steady = rows[3:] or rows
@@ -82,8 +82,8 @@ result = {
     "peak_memory_gib": memory["peak_gib_per_rank"], "estimate_gib": memory["estimate_gib_per_rank"],
     "peak_over_estimate": memory["peak_over_estimate"],
     "tiny_step1_loss": {"cuda_bf16": gpu_loss, "cpu_fp32": cpu_loss, "abs_diff": abs(gpu_loss - cpu_loss),
-                        "tolerance": LOGGED_LOSS_TOLERANCE["bfloat16"],
-                        "within": abs(gpu_loss - cpu_loss) <= LOGGED_LOSS_TOLERANCE["bfloat16"]},
+                        "tolerance": DTYPES["bfloat16"].logged_loss,
+                        "within": abs(gpu_loss - cpu_loss) <= DTYPES["bfloat16"].logged_loss},
     "steps": len(rows), "steps_excluded": 3,
 }
 import torch

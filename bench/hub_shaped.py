@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
 
 
 def make(dest: Path, name: str, tokenizer_dir: Path) -> Path:
@@ -35,6 +34,8 @@ def make(dest: Path, name: str, tokenizer_dir: Path) -> Path:
     model.save_pretrained(tmp, max_shard_size="5GB")
     del model
     (tmp / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")  # the Hub's file, verbatim
+    from pipeline.checkpoint.embedded import TOKENIZER_FILES
+
     for file in TOKENIZER_FILES:
         shutil.copy2(Path(tokenizer_dir) / file, tmp / file)
     (tmp / ".complete").write_text("")

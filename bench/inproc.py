@@ -38,7 +38,7 @@ def export(model: str, path: str, dtype: str, max_shard_size: str) -> dict:
 
     from pipeline.models import registry
     from pipeline.run import store
-    from pipeline.stages import export as stage
+    from pipeline.outputs import export as stage
 
     run = store.home(model).run(path)
     registry.get(path).build(run.spec())  # torchtitan's model spec imported (the export builds it)
@@ -64,15 +64,17 @@ def export(model: str, path: str, dtype: str, max_shard_size: str) -> dict:
 
 
 def _tensor_bytes(shards: list[Path]):
-    from pipeline.checkpoint import hf_dir
+    import torch
 
-    sizes = {"F32": 4, "BF16": 2, "F16": 2}
+    from pipeline.checkpoint import hf_dir
+    from pipeline.dtypes import SAFETENSORS_NAMES
+
     for shard in shards:
         for info in hf_dir.read_header(shard).values():
             count = 1
             for d in info.shape:
                 count *= d
-            yield count * sizes.get(info.dtype, 4)
+            yield count * getattr(torch, SAFETENSORS_NAMES[info.dtype]).itemsize
 
 
 def verify(model: str, path: str) -> dict:
@@ -80,7 +82,7 @@ def verify(model: str, path: str) -> dict:
     import transformers
 
     from pipeline.run import store
-    from pipeline.stages import verify as stage
+    from pipeline.outputs import verify as stage
 
     transformers.utils.logging.disable_progress_bar()
     run = store.home(model).run(path)

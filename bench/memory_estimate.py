@@ -20,6 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from pipeline.run import targets  # noqa: E402
+from pipeline.run.rundir import RunDir  # noqa: E402
 from pipeline.training import memory, torchrun  # noqa: E402
 from pipeline.training.resolve import RunRequest, resolve  # noqa: E402
 
@@ -27,11 +28,11 @@ GIB = 2**30
 
 
 def measure(model: str, steps: int) -> dict:
-    spec = resolve(RunRequest(model=model, path="native", target="cpu", steps=steps))
+    spec = resolve(RunRequest(model=model, path="native", target="cpu", flags={"steps": steps}))
     Path(spec.run_dir).mkdir(parents=True, exist_ok=True)
     for old in Path(spec.run_dir).iterdir():
         subprocess.run(["rm", "-rf", str(old)], check=True)
-    spec.save()
+    RunDir(Path(spec.run_dir)).save_spec(spec)
     command = [part if part != torchrun.ENTRY_MODULE else "memory_rank" for part in torchrun.command(spec)]
     env = {**targets.TARGETS["cpu"].launch_env(dict(os.environ)),
            "PYTHONPATH": f"{REPO / 'bench'}{os.pathsep}{REPO}"}

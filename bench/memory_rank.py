@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from pipeline.run.spec import RunSpec
-from pipeline.titan import compat
+from pipeline.titan import patches
 
 
 def _rss_now() -> int:
@@ -19,7 +19,7 @@ def _rss_now() -> int:
 
 def main() -> None:
     spec = RunSpec.load(sys.argv[1])
-    compat.apply(spec.target)
+    patches.apply(spec.target)
     from pipeline.titan.trainer import PipelineTrainer
     from pipeline.training import entry
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from pipeline import envvars  # noqa: E402 - after the path that makes it importable
+
 PY = sys.executable
 SECTIONS = ("overhead", "ttfs", "scaling", "export", "size", "pipeline")
 STEPS = 12
@@ -73,7 +74,7 @@ class Bench:
     def __init__(self, root: Path, repeats: int):
         self.root = root
         self.repeats = repeats
-        self.env = {**os.environ, "PIPELINE_CHECKPOINTS": str(root)}
+        self.env = {**os.environ, envvars.CHECKPOINTS: str(root)}
         self.memory: dict[str, list[float]] = {}
         self.results: dict = {}
 
@@ -93,11 +94,9 @@ class Bench:
         return self.home(model).run(args[args.index("--path") + 1]).path
 
     def config(self, **changes) -> str:
-        text = (REPO / "configs" / "cpu.toml").read_text()
-        for key, value in changes.items():
-            text = "\n".join(f"{key} = {value}" if line.startswith(f"{key} =") else line for line in text.splitlines())
+        """A CONFIG file with these [train] keys, layered over configs/cpu.toml by the train stage."""
         path = self.root / f"bench-{'-'.join(f'{k}{v}' for k, v in changes.items())}.toml"
-        path.write_text(text + "\n")
+        path.write_text("[train]\n" + "".join(f"{key} = {value}\n" for key, value in changes.items()))
         return str(path)
 
     def prepare(self, model: str = "tiny") -> None:
@@ -110,16 +109,18 @@ class Bench:
     # ---- overhead ----------------------------------------------------------------------------
 
     def overhead(self) -> None:
+        from pipeline.run.rundir import RunDir
+
         pipeline, bare, losses, threads = [], [], [], []
         for _ in range(self.repeats):
             run_dir = self.train("--path", "native", "--steps", str(STEPS), "--nproc-per-node", "1",
                                  label="train native 1 rank")
-            spec = json.loads((run_dir / "run.json").read_text())
+            spec = json.loads(RunDir(run_dir).run_json.read_text())
             pipeline.append(steady(run_dir, spec["settings"]["checkpoint_interval"]))
             # The bare loop gets the environment the pipeline gave its rank (glibc's thresholds).
-            out = run([PY, str(REPO / "bench" / "bare_loop.py"), str(run_dir / "run.json"),
+            out = run([PY, str(REPO / "bench" / "bare_loop.py"), str(RunDir(run_dir).run_json),
                        str(run_dir / "first_batch" / "rank0.safetensors"), str(STEPS)],
-                      {**self.env, **launch_env(run_dir / "run.json")})
+                      {**self.env, **launch_env(RunDir(run_dir).run_json)})
             self.memory.setdefault("bare PyTorch loop", []).append(out["max_rss_mib"])
             result = last_json(out["out"])
             bare.append(result["steady_step_s"])
@@ -137,9 +138,11 @@ class Bench:
     # ---- time to first step ------------------------------------------------------------------
 
     def ttfs(self) -> None:
+        from pipeline.models import registry
+
         splits: dict[str, dict[str, list[float]]] = {}
         for _ in range(self.repeats):
-            for path in ("native", "hf", "nki"):
+            for path in registry.names():
                 started = time.time()
                 result = run(["make", "--no-print-directory", f"train-{path}", "MODEL=tiny", "FRESH=1", "STEPS=1"], self.env)
                 self.memory.setdefault(f"train {path} 2 ranks", []).append(result["max_rss_mib"])
@@ -235,8 +238,8 @@ class Bench:
         # Two runs, as memory allows (other users of this machine hold some): the CPU defaults (2
         # ranks), then, if that could not run, one rank, so export and verify have a checkpoint.
         for label, nproc in (("train_defaults", None), ("train_one_rank", 1)):
-            spec = resolve(RunRequest(model=model, path="native", steps=2, nproc_per_node=nproc,
-                                      checkpoints_root=self.root))
+            spec = resolve(RunRequest(model=model, path="native", checkpoints_root=self.root,
+                                      flags={"steps": 2, "nproc_per_node": nproc}))
             need = host_need(spec) / GIB * 1.3  # measured peaks run ~1.3x the estimate (bench results)
             available = mem_available_gib()
             if available < need:
@@ -272,7 +275,7 @@ class Bench:
         walls = []
         for _ in range(self.repeats):
             with tempfile.TemporaryDirectory(dir=self.root) as tmp:
-                result = run(["make", "--no-print-directory", "pipeline"], {**self.env, "PIPELINE_CHECKPOINTS": tmp})
+                result = run(["make", "--no-print-directory", "pipeline"], {**self.env, envvars.CHECKPOINTS: tmp})
             self.memory.setdefault("make pipeline", []).append(result["max_rss_mib"])
             walls.append(result["wall_s"])
         self.results["pipeline"] = {"wall_s": summary(walls), "target_s": 300}
@@ -362,7 +365,7 @@ def main() -> int:
     if unknown:
         print(f"error: unknown BENCH_ONLY sections {unknown}. Fix: pick from {','.join(SECTIONS)}.", file=sys.stderr)
         return 2
-    root = Path(os.environ.get("PIPELINE_CHECKPOINTS") or tempfile.mkdtemp(prefix="bench-"))
+    root = Path(os.environ.get(envvars.CHECKPOINTS) or tempfile.mkdtemp(prefix="bench-"))
     bench = Bench(root, repeats)
     import torch
 

@@ -35,14 +35,14 @@ def make_run(root: Path, source: Path, path: str, distinct: int, copies: int, se
     from pipeline.run import store
     from pipeline.training.resolve import RunRequest, resolve
 
-    spec = resolve(RunRequest(model=str(source), path=path, steps=step, nproc_per_node=1, dry_run=True,
-                              checkpoints_root=root))
+    spec = resolve(RunRequest(model=str(source), path=path, dry_run=True,
+                              checkpoints_root=root, flags={"steps": step, "nproc_per_node": 1}))
     run = store.home(str(source), root).run(path)
     if run.path.exists():
         shutil.rmtree(run.path)
     run.path.mkdir(parents=True)
     spec.run_dir = str(run.path)
-    spec.save()
+    run.save_spec(spec)
     hf = {}
     for shard in hf_dir.shard_files(Path(spec.source_dir)):
         hf |= load_file(str(shard))
@@ -92,10 +92,9 @@ def main() -> None:
 
     from pipeline.checkpoint import embedded, reference_loss
     from pipeline.checkpoint.arch import arch_from_config, load_arch
-    from pipeline.run import store
     from pipeline.stages import download
-    from pipeline.stages import export as export_stage
-    from pipeline.stages import verify as verify_stage
+    from pipeline.outputs import export as export_stage
+    from pipeline.outputs import verify as verify_stage
 
     transformers.utils.logging.disable_progress_bar()
     source = hub_shaped.make(work / "hub" / "Qwen3-0.6B", "Qwen3-0.6B", embedded.tokenizer_dir())
@@ -103,7 +102,9 @@ def main() -> None:
     import argparse
     import os
 
-    os.environ["PIPELINE_CHECKPOINTS"] = str(root)
+    from pipeline import envvars
+
+    os.environ[envvars.CHECKPOINTS] = str(root)
     download.run(argparse.Namespace(model=str(source), revision=None, force=False))
     forward = {"s": 0.0, "calls": 0}
     original = reference_loss.loss_terms

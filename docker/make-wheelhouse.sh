@@ -1,5 +1,5 @@
 #!/bin/sh
-# Run inside a throwaway container of the base image (pipeline/stages/image.py does this), so the
+# Run inside a throwaway container of the base image (pipeline/host/image.py does this), so the
 # wheels match the image's own Python and platform, and what the image installs is derived from the
 # base's own packages (docker/wheelhouse.py): the base keeps every package it has, the lock's pins add
 # what it lacks, every difference is printed. Writes to OUT (default /wheels):

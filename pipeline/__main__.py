@@ -23,6 +23,7 @@ STAGES = {
     "push": ("pipeline.stages.push", "push the built image to a registry and record its digest for launch"),
     "doctor": ("pipeline.stages.doctor", "what this host has vs what the pipeline needs"),
     "launch": ("pipeline.stages.launch", "render multi-node launch files (Slurm sbatch, EKS manifests)"),
+    "paths": ("pipeline.stages.paths", "the training paths the registry holds (Make and the trn2 workflow read them here)"),
     "rehearse": ("pipeline.stages.rehearse", "run configs/trn2.toml's parallel plan on CPU ranks, and the launch files on two nodes"),
 }
 

@@ -1,4 +1,6 @@
-"""The one exception type a user is meant to read."""
+"""What a user reads of an outcome: the one exception type, and a named check in a table."""
+
+from dataclasses import dataclass
 
 
 class PipelineError(Exception):
@@ -8,3 +10,12 @@ class PipelineError(Exception):
         self.problem = problem
         self.fix = fix
         super().__init__(f"{problem} Fix: {fix}" if fix else problem)
+
+
+@dataclass(frozen=True)
+class Check:
+    """One row of a verdict (verify, the rehearsal): what was checked, whether it passed, and the numbers."""
+
+    name: str
+    passed: bool
+    detail: str

@@ -1,148 +1,15 @@
-"""What the test modules share, in one place: the CLI run as a user runs it, a run's metrics, the
-on-disk layout of a checkpoints root (checkpoints/<key>/{source.json, source/, data/, runs/<path>/},
-spelled out here rather than taken from pipeline.run.store, so a layout change shows in tests),
-and the session fixtures: the embedded checkpoints, made once, and runs with checkpoints for
-export and verify. Test files are named after the module they test: tests/test_<package>_<module>.py
-tests pipeline/<package>/<module>.py (tests/test_main.py: pipeline/__main__.py)."""
+"""The fixtures and hooks the test modules share: the embedded checkpoints, made once per session,
+runs with checkpoints for export and verify, and the tiers (`slow`). Plain helpers are in helpers.py."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-# What download and data leave for a model: its record, the checkpoint, the training text.
-MODEL_PARTS = ("source.json", "source", "data")
-
-
-def run_pipeline(*args: str, root: Path, check: bool = True, timeout: int = 600,
-                 env: dict | None = None) -> subprocess.CompletedProcess:
-    """`python -m pipeline …` exactly as a user runs it, with outputs under `root` (and `env` over ours)."""
-    env = {**os.environ, "PIPELINE_CHECKPOINTS": str(root), "MALLOC_MMAP_THRESHOLD_": "4294967296",
-           "MALLOC_TRIM_THRESHOLD_": "4294967296", **(env or {})}
-    result = subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=REPO, env=env, capture_output=True,
-                            text=True, timeout=timeout)
-    if check and result.returncode != 0:
-        raise AssertionError(f"pipeline {' '.join(args)} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    return result
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
-def source_dir(root: Path, model: str = "tiny") -> Path:
-    """An embedded model's downloaded checkpoint (an embedded model's key is its name)."""
-    return root / model / "source"
-
-
-def run_dir(root: Path, model: str, path: str) -> Path:
-    """An embedded model's run of one training path."""
-    return root / model / "runs" / path
-
-
-def copy_model(checkpoints: Path, root: Path, model: str = "tiny", link: bool = False) -> Path:
-    """`root` holding `model` as downloaded and prepared in `checkpoints` (source.json, source/, data/),
-    copied, or with source/ and data/ symlinked when `link`; no runs."""
-    (root / model).mkdir(parents=True, exist_ok=True)
-    for part in MODEL_PARTS:
-        src, dst = checkpoints / model / part, root / model / part
-        if src.is_dir():
-            os.symlink(src, dst) if link else shutil.copytree(src, dst)
-        else:
-            shutil.copy2(src, dst)
-    return root
-
-
-def fake_trn2_host(tmp_path: Path):
-    """A doctor.Host whose /dev and /sys look like a trn2.48xlarge's: 16 Neuron devices, the driver, 16 EFA."""
-    from pipeline.stages import doctor
-
-    dev, sys_ = tmp_path / "dev", tmp_path / "sys"
-    dev.mkdir()
-    for i in range(16):
-        (dev / f"neuron{i}").touch()
-    (sys_ / "module" / "neuron").mkdir(parents=True)
-    (sys_ / "module" / "neuron" / "version").write_text("2.31.7.0\n")
-    for i in range(16):
-        (sys_ / "class" / "infiniband" / f"rdmap{i}s0" / "device").mkdir(parents=True)
-    return doctor.Host(dev=dev, sys=sys_, home=tmp_path / "home")
-
-
-# ---- export and verify: runs with checkpoints (conftest's export_runs), edited copies of them ----
-
-EXPORT_MODELS = ("tiny", "tiny-moe")
-# Two gloo ranks for tiny (FSDP-sharded weights gathered into the safetensors copy), one for
-# tiny-moe (keeps the session short on 2 cores).
-EXPORT_NPROC = {"tiny": "2", "tiny-moe": "1"}
-TRAINED_STEPS = 2
-
-WEIGHTS = "model_weights.safetensors"  # what the trainer writes beside each DCP step
-DCP_METADATA = ".metadata"  # DCP renames it into place last: the step's save finished
-
-
-def tensors(directory: Path) -> dict:
-    from safetensors.torch import load_file
-
-    from pipeline.checkpoint import hf_dir
-
-    out = {}
-    for shard in hf_dir.shard_files(directory):
-        out |= load_file(str(shard))
-    return out
-
-
-def fake_run(runs: Path, tmp_path: Path, model: str = "tiny", step: int = 0, source: Path | None = None) -> Path:
-    """A run dir with a real run's run.json and one checkpoint's weights file, for editing."""
-    src = run_dir(runs, model, "native")
-    run = tmp_path / "run"
-    run.mkdir()
-    spec = json.loads((src / "run.json").read_text())
-    spec["run_dir"] = str(run)
-    if source is not None:
-        spec["source_dir"] = str(source)
-    (run / "run.json").write_text(json.dumps(spec))
-    (run / "checkpoint" / f"step-{step}").mkdir(parents=True)
-    shutil.copy(src / "checkpoint" / f"step-{step}" / WEIGHTS, weights_path(run, step))
-    # DCP's marker of a finished save, which export requires beside the weights (its content is never read)
-    shutil.copy(src / "checkpoint" / f"step-{step}" / DCP_METADATA, run / "checkpoint" / f"step-{step}" / DCP_METADATA)
-    plant_dcp_shards(src / "checkpoint" / f"step-{step}", run / "checkpoint" / f"step-{step}")
-    return run
-
-
-def plant_dcp_shards(trained_step: Path, step: Path) -> None:
-    """Empty files named as a trained step's DCP shards: a step counts complete when every rank's
-    shard is there (their content is never read outside torchtitan's resume)."""
-    for shard in trained_step.glob("*.distcp"):
-        (step / shard.name).touch()
-
-
-def weights_path(run: Path, step: int = 0) -> Path:
-    return run / "checkpoint" / f"step-{step}" / WEIGHTS
-
-
-def tied_source_with_lm_head(runs: Path, tmp_path: Path) -> Path:
-    """tiny's source with lm_head.weight stored (as some tied Hub checkpoints do), in its own shard."""
-    from safetensors.torch import save_file
-
-    from pipeline.checkpoint import hf_dir
-
-    source = tmp_path / "source-with-head"
-    shutil.copytree(source_dir(runs, "tiny"), source)
-    embed = tensors(source)["model.embed_tokens.weight"]
-    save_file({"lm_head.weight": embed.clone()}, str(source / "lm_head.safetensors"), metadata={"format": "pt"})
-    index = json.loads((source / hf_dir.INDEX).read_text())
-    index["weight_map"]["lm_head.weight"] = "lm_head.safetensors"
-    (source / hf_dir.INDEX).write_text(json.dumps(index))
-    return source
+from helpers import CONTAINER_TESTS, EXPORT_MODELS, EXPORT_NPROC, TRAINED_STEPS, copy_model, run_pipeline
 
 
 # ---- session fixtures -------------------------------------------------------------------------
@@ -181,11 +48,7 @@ def export_runs(checkpoints, tmp_path_factory) -> Path:
     return root
 
 
-# The container test builds a full image on a private Docker engine (~20 min cold on 2 cores, seconds
-# with the engine's build cache); .ci/run asks for it, a local `make test` only with the variable set.
-# The report header says which, either way.
-CONTAINER_TESTS = os.environ.get("PIPELINE_CONTAINER_TESTS") == "1"
-CONTAINER_TEST_FILE = "test_stages_image.py"
+CONTAINER_TEST_FILE = "host/test_host_image.py"
 collect_ignore = [] if CONTAINER_TESTS else [CONTAINER_TEST_FILE]
 
 
@@ -193,13 +56,6 @@ def pytest_report_header(config):
     if not CONTAINER_TESTS:
         return f"tests/{CONTAINER_TEST_FILE} not collected: set PIPELINE_CONTAINER_TESTS=1 (needs root to start dockerd)"
     return "container tests: on"
-
-
-def dry_run_spec(stdout: str) -> dict:
-    """The resolved run a `train --dry-run` prints: the JSON object from its `{` line up to `launch command:`
-    (the nki plan and the memory estimate are printed before it)."""
-    start, end = stdout.index("\n{\n") + 1 if not stdout.startswith("{\n") else 0, stdout.index("\nlaunch command:")
-    return json.loads(stdout[start:end])
 
 
 # ---- tiers: `make test-fast` runs what is not `slow` (≤ 90 s on 2 cores); `make test` runs everything ----

@@ -4,23 +4,11 @@ asserts carry their own messages.)"""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
-import pytest
-
-REPO = Path(__file__).resolve().parent.parent
-# vocab-151936 logits: glibc's default mmap threshold makes CPU runs spend most of their time in the kernel.
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "4294967296"}
 
 
-def pipeline_cli(*args: str, root: Path, env: dict | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
-    """`python -m pipeline …` with checkpoints under `root`; never raises on a non-zero exit."""
-    full_env = {**os.environ, **MALLOC_ENV, "PIPELINE_CHECKPOINTS": str(root), **(env or {})}
-    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=REPO, env=full_env, capture_output=True,
-                          text=True, timeout=timeout)
 
 
 def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

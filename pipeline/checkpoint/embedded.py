@@ -17,11 +17,11 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.checkpoint import corpus
+from pipeline.checkpoint import corpus, hf_dir
 from pipeline.errors import PipelineError
 
 QWEN3_TOKENIZER_SHA256 = "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
+TOKENIZER_FILES = hf_dir.TOKENIZER_FILES[:4]  # what the tokenizers library writes for a byte-level BPE
 
 
 @dataclass(frozen=True)

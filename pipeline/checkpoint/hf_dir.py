@@ -11,13 +11,25 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from huggingface_hub import constants
+
 from pipeline.errors import PipelineError
 from pipeline.checkpoint.arch import Qwen3Arch, load_arch
 from pipeline.fsutil import INDEX_FILE_BYTES, read_small_text
 
-INDEX = "model.safetensors.index.json"
+# A Hugging Face checkpoint directory's file names, one home: huggingface_hub's where it names them.
+CONFIG = constants.CONFIG_NAME  # config.json
+INDEX = constants.SAFETENSORS_INDEX_FILE  # model.safetensors.index.json
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 TOKENIZER_REQUIRED = ("tokenizer.json", "tokenizer_config.json")
+# The tokenizer files a Qwen3 checkpoint may have (the embedded ones have the first four).
+TOKENIZER_FILES = TOKENIZER_REQUIRED + ("vocab.json", "merges.txt", "special_tokens_map.json", "added_tokens.json",
+                                        "chat_template.jinja", "tokenizer.model")
+# Carried over verbatim into an export when the source has them: generation defaults and the tokenizer.
+CARRIED_FILES = ("generation_config.json",) + TOKENIZER_FILES
+# What a download takes of a Hub snapshot, or of a local directory: the files above and the weights.
+HUB_PATTERNS = ["*.safetensors", "*.json", "tokenizer*", "merges.txt", "vocab.json", "*.jinja"]
+LOCAL_SUFFIXES = (".json", ".safetensors", ".txt", ".model", ".jinja")
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-# safetensors dtype codes by torch dtype name.
-DTYPE_CODES = {"float64": "F64", "float32": "F32", "bfloat16": "BF16", "float16": "F16", "int64": "I64",
-               "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
-               "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
-CODE_DTYPES = {code: name for name, code in DTYPE_CODES.items()}
+from pipeline.dtypes import SAFETENSORS_CODES, SAFETENSORS_NAMES
+
+# Reading or writing every byte of a checkpoint (export, verify): a progress bar from this size on.
+PROGRESS_MIN_BYTES = 1 << 30
+
 HEADER_ALIGN = 8  # the header is padded with spaces so the data starts 8-byte aligned
 
 
@@ -62,9 +62,9 @@ def layout(entries: list[Entry], metadata: dict[str, str] | None = None, name: s
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     starts = {}
     for entry in entries:
-        if entry.dtype not in DTYPE_CODES:
+        if entry.dtype not in SAFETENSORS_CODES:
             raise ValueError(f"{entry.name}: dtype {entry.dtype} has no safetensors code")
-        header[entry.name] = {"dtype": DTYPE_CODES[entry.dtype], "shape": list(entry.shape),
+        header[entry.name] = {"dtype": SAFETENSORS_CODES[entry.dtype], "shape": list(entry.shape),
                               "data_offsets": [offset, offset + entry.nbytes]}
         starts[entry.name] = offset
         offset += entry.nbytes
@@ -194,7 +194,7 @@ class SafetensorsReader:
         import torch
 
         info = self.header[name]
-        dtype = getattr(torch, CODE_DTYPES[info["dtype"]])
+        dtype = getattr(torch, SAFETENSORS_NAMES[info["dtype"]])
         out = torch.empty(info["shape"], dtype=dtype)
         view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
         begin, end = info["data_offsets"]
@@ -219,7 +219,7 @@ class SafetensorsReader:
         info = self.header[name]
         begin, end = info["data_offsets"]
         raw = torch.from_numpy(self._map[self.base + begin:self.base + end])
-        return raw.view(getattr(torch, CODE_DTYPES[info["dtype"]])).reshape(info["shape"])
+        return raw.view(getattr(torch, SAFETENSORS_NAMES[info["dtype"]])).reshape(info["shape"])
 
     def close(self) -> None:
         self._map = None
@@ -251,3 +251,11 @@ def pwrite_all(fd: int, data: memoryview, offset: int | None, path: Path) -> Non
             raise
         data = data[written:]
         offset = None if offset is None else offset + written
+
+
+def finite(tensor) -> bool:
+    """No NaN or Inf: a sum of finite values is finite unless it overflows, so one reduction decides,
+    and only an overflowing sum pays for the exact element-wise check."""
+    import torch
+
+    return bool(torch.isfinite(tensor.sum(dtype=torch.float32))) or bool(torch.isfinite(tensor).all())

@@ -1,14 +1,14 @@
 """torchtitan's own Qwen3, built with the shapes of a checkpoint's config.json.
 
-torchtitan only ships named flavors; its builders for a flavor's layers are private
-(reached through pipeline.titan.compat, which checks they exist). We call them with the
-checkpoint's numbers so the layer/parameter-init conventions stay torchtitan's own.
+torchtitan only ships named flavors; its builders for a flavor's layers are private (reached
+through pipeline.titan.accessors; pipeline.titan.internals checks they exist). We call them with
+the checkpoint's numbers so the layer/parameter-init conventions stay torchtitan's own.
 """
 
 from __future__ import annotations
 
 from pipeline.checkpoint.arch import TITAN_RMS_NORM_EPS, Qwen3Arch
-from pipeline.titan import api, compat
+from pipeline.titan import accessors, api
 
 
 def model_config(arch: Qwen3Arch, attn_backend: str = "flex"):
@@ -27,7 +27,7 @@ def model_config(arch: Qwen3Arch, attn_backend: str = "flex"):
         rope=rope,
     )
     if arch.is_moe:
-        layers = compat.qwen3_moe_layers(
+        layers = accessors.qwen3_moe_layers(
             **common,
             moe_hidden_dim=arch.moe_intermediate_size,
             num_experts=arch.num_experts,
@@ -39,13 +39,13 @@ def model_config(arch: Qwen3Arch, attn_backend: str = "flex"):
             # would add one that the Hugging Face model and the export know nothing of.
             layer.moe.load_balance_coeff = None
     else:
-        layers = compat.qwen3_layers(**common, hidden_dim=arch.intermediate_size)
-    assert compat.qwen3_eps() == TITAN_RMS_NORM_EPS
-    inits = compat.qwen3_inits(arch.tie_word_embeddings)
+        layers = accessors.qwen3_layers(**common, hidden_dim=arch.intermediate_size)
+    assert accessors.qwen3_eps() == TITAN_RMS_NORM_EPS
+    inits = accessors.qwen3_inits(arch.tie_word_embeddings)
     return titan_qwen3.Qwen3Model.Config(
         vocab_size=arch.vocab_size,
         dim=arch.hidden_size,
-        norm=compat.qwen3_norm(arch.hidden_size),
+        norm=accessors.qwen3_norm(arch.hidden_size),
         enable_weight_tying=arch.tie_word_embeddings,
         tok_embeddings=Embedding.Config(
             num_embeddings=arch.vocab_size,

@@ -21,10 +21,9 @@ import json
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
-from fnmatch import fnmatch
 
 from pipeline.errors import PipelineError
-from pipeline.titan import compat
+from pipeline.titan import accessors
 
 ROOT = "model_spec.model"  # where Trainer.Config holds the model config
 
@@ -62,7 +61,7 @@ def registered(name: str):
     except ImportError as err:
         raise PipelineError(f"override {name!r}: module {module!r} cannot be imported ({err}).",
                             "fix the override.imports entry.") from err
-    found = compat.registered_override(name)
+    found = accessors.registered_override(name)
     if found is None:
         raise PipelineError(f"override {name!r} names no registered @override.", "fix the override.imports entry.")
     return found
@@ -71,7 +70,7 @@ def registered(name: str):
 def all_module_fqns(model_config) -> list[str]:
     from torchtitan.config.configurable import Configurable
 
-    return [fqn for fqn, *_ in compat.traverse(model_config, Configurable.Config, ROOT, recurse=True)]
+    return [fqn for fqn, *_ in accessors.traverse(model_config, Configurable.Config, ROOT, recurse=True)]
 
 
 def check(imports: list, model_config) -> CheckReport:
@@ -80,7 +79,7 @@ def check(imports: list, model_config) -> CheckReport:
     matches, warnings = [], []
     for name in names:
         ov = registered(name)
-        found = [fqn for fqn, cfg, _, _ in compat.traverse(model_config, ov.target_cls, ROOT)
+        found = [fqn for fqn, cfg, _, _ in accessors.traverse(model_config, ov.target_cls, ROOT)
                  if (not ov.exact or type(cfg) is ov.target_cls) and ov.matches(fqn)]
         matches.append(OverrideMatch(name, ov.target_cls.__qualname__.removesuffix(".Config"), ov.fqns, found))
         if not found:
@@ -111,10 +110,6 @@ def _check_conflicts(matches: list[OverrideMatch]) -> None:
                                     "nested replacements are order-dependent: narrow one pattern.")
 
 
-def glob_matches(pattern: str, fqn: str) -> bool:
-    return fnmatch(fqn, pattern)
-
-
 def check_spec(spec) -> CheckReport:
     """A run's override.imports against its model (the native Qwen3 tree every override targets)."""
     from pipeline.models import attention_backends, native
@@ -125,7 +120,7 @@ def check_spec(spec) -> CheckReport:
 
 def check_in_child(spec) -> CheckReport:
     """check_spec in a child process: the caller stays free of torch and torchtitan."""
-    result = subprocess.run([sys.executable, "-m", __name__], input=json.dumps(spec.to_dict()), capture_output=True,
+    result = subprocess.run([sys.executable, "-m", __name__], input=spec.to_json(), capture_output=True,
                             text=True)
     try:
         answer = json.loads(result.stdout.strip().splitlines()[-1])

@@ -51,7 +51,7 @@ class TensorParallelPlan:
     it divides over the tp ranks (the others stay whole on each), whether it runs sequence
     parallelism when the settings ask for it, and whether its logits (and the loss) stay sharded over
     the vocabulary. The memory estimate reads it (pipeline.training.memory); each path's tests
-    compare it with the plan the path applies (tests/test_training_memory.py)."""
+    compare it with the plan the path applies (tests/training/test_training_memory.py)."""
 
     sharded: tuple[str, ...]
     sequence_parallel: bool
@@ -80,6 +80,11 @@ class TrainingPath:
     # weight-sized accumulators (models/nki/layout.py, moe_cte_reference_backward): the memory
     # estimate adds that working set.
     blockwise_experts_backward: Callable[[TrainSettings], bool] = lambda settings: False
+    # Whether torchtitan's LoRA converter applies: it works on torchtitan's model configs.
+    lora: bool = True
+    # Whether the model's attention is torchtitan's, so attention_backend chooses it (transformers' own
+    # modules run their own attention).
+    titan_attention: bool = True
     colour: str = "tab:gray"  # report: fixed per path so a path keeps its look from report to report
     line: tuple[str, str] = ("-", "o")
 
@@ -140,7 +145,8 @@ PATHS: dict[str, TrainingPath] = {
     p.name: p
     for p in (
         TrainingPath("hf", "Transformers v5's own Qwen3 (AutoModelForCausalLM from config.json) trained by torchtitan",
-                     _hf, prepare=_prepare_hf, landmarks=HF_LANDMARKS, tp_plan=HF_TP_PLAN, colour="tab:blue",
+                     _hf, prepare=_prepare_hf, landmarks=HF_LANDMARKS, tp_plan=HF_TP_PLAN, lora=False, titan_attention=False,
+                     colour="tab:blue",
                      line=("-", "o")),
         TrainingPath("native", "torchtitan's own Qwen3 (dense and MoE)", _native, overrides=_native_overrides,
                      colour="tab:orange", line=("--", "s")),

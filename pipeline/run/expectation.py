@@ -65,9 +65,14 @@ class Step1Expectation:
                 "conditions": {c.setting: {"value": c.value, "basis": c.basis, "note": c.note} for c in self.conditions}}
 
 
+def known_models() -> dict:
+    """configs/models.toml: per Hub model, its pinned revision and expected step-1 loss."""
+    return tomllib.loads(MODELS_TOML.read_text())
+
+
 def load(model: str | None, text: str | None = None) -> Step1Expectation | None:
     """models.toml's [<model>.expected_step1] (None when it has none); malformed → PipelineError."""
-    data = tomllib.loads(text if text is not None else MODELS_TOML.read_text())
+    data = tomllib.loads(text) if text is not None else known_models()
     table = data.get(model or "", {}).get("expected_step1")
     if table is None:
         return None

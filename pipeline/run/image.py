@@ -10,12 +10,44 @@ from __future__ import annotations
 
 import hashlib
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.errors import PipelineError
+from pipeline.run.targets import DEFAULT_NEFF_CACHE
 
 IMAGE_REPO = "qwen3-pipeline"
 LOCK = Path(__file__).resolve().parent.parent.parent / "requirements.lock"
+
+
+@dataclass(frozen=True)
+class ImageLayout:
+    """Where things are inside the pipeline image, as the Dockerfile makes them (tests/run/test_run_image.py
+    reads each one back out of the Dockerfile)."""
+
+    python: str = "/opt/pipeline-venv/bin/python"  # the venv the Dockerfile builds
+    workdir: str = "/opt/pipeline"  # the project: Makefile, configs/, pipeline/
+    checkpoints: str = "/checkpoints"  # PIPELINE_CHECKPOINTS
+    hf_cache: str = "/hf-cache"  # HF_HOME; a host HF_HUB_CACHE is mounted at its hub/ (the default)
+    # TorchNeuron's NEFF cache (TORCH_NEURONX_NEFF_CACHE_DIR): the host's persistent cache is bind-mounted there
+    # so a second run with the same shapes does not recompile.
+    compile_cache: str = DEFAULT_NEFF_CACHE
+    uid: int = 1000  # the image's user (the base's own UID-1000 user where it has one)
+
+    @property
+    def record(self) -> str:  # what the build recorded: the packages, the differences from the lock
+        return f"{self.workdir}/record"
+
+    @property
+    def lock(self) -> str:
+        return f"{self.workdir}/requirements.lock"
+
+    @property
+    def hub_cache(self) -> str:
+        return f"{self.hf_cache}/hub"
+
+
+IMAGE = ImageLayout()
 # The Neuron SDK 2.33 PyTorch training DLC (see the Dockerfile for how to pin it by digest).
 DEFAULT_BASE_IMAGE = "public.ecr.aws/neuron/pytorch-training-neuronx:2.14.0-neuronx-py314-sdk2.33.0-ubuntu26.04"
 COMMIT = re.compile(r"@([0-9a-f]{40})$")

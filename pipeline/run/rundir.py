@@ -42,7 +42,6 @@ DCP_SHARD = re.compile(r"__(\d+)_\d+\.distcp")  # torch.distributed.checkpoint.f
 EXPORT = "export"
 VERIFY = "verify.json"
 LOGS = "logs"
-TENSORBOARD = "tb"
 LOCK = ".lock"
 PLAN = "plan"
 FAILURE = "failure.json"
@@ -144,6 +143,12 @@ class RunDir:
 
     def exists(self) -> bool:
         return self.run_json.is_file()
+
+    def save_spec(self, spec) -> Path:
+        from pipeline.fsutil import atomic_write_text
+
+        atomic_write_text(self.run_json, spec.to_json())
+        return self.run_json
 
     def spec(self):
         """The run's RunSpec, or a one-line error when there is no run here."""

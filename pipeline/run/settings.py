@@ -14,12 +14,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
+from pipeline import dtypes
+from pipeline.flags import flag
 from pipeline.errors import PipelineError
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent.parent / "configs"
-DTYPES = ("float32", "bfloat16")
 CHOICES = {
-    "dtype": DTYPES,
+    "dtype": dtypes.NAMES,
     "activation_checkpoint": ("none", "selective", "full"),
     "compile_backend": ("inductor", "neuron", "aot_eager"),
     "constraint_policy": ("error", "fallback"),
@@ -34,10 +35,13 @@ CHOICES = {
 
 @dataclass(frozen=True)
 class TrainSettings:
-    nproc_per_node: int = 2
+    """Every training setting and its default (configs/<target>.toml and CONFIG= layer over these). A
+    field with help is also a flag of `train` and `launch` (pipeline.flags), over the config files."""
+
+    nproc_per_node: int = flag(2, "ranks per node (default: the target's config)")
     nnodes: int = 1
-    steps: int = 10
-    seq_len: int = 128
+    steps: int = flag(10, "training steps")
+    seq_len: int = flag(128, "sequence length")
     local_batch_size: int = 2
     lr: float = 1e-3
     warmup_steps: int = 2
@@ -53,7 +57,8 @@ class TrainSettings:
     attention_backend: str = "flex"
     checkpoint_interval: int = 5
     keep_latest_k: int = 2
-    dataset: str = "local"
+    dataset: str = flag("local", "local (the model's data/train.jsonl), a .jsonl/.txt file, a torchtitan dataset (c4, "
+                        "c4_test) or a Hub dataset id org/name (default: the config's)")
     # Held-out eval loss every `eval_every` steps (0: off) over `eval_steps` batches of `eval_dataset`
     # ("": the dataset's own held-out split where it has one: DATASET=chat's data/chat_eval.jsonl).
     eval_every: int = 0

@@ -13,7 +13,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from pipeline.checkpoint.arch import Qwen3Arch
-from pipeline.fsutil import atomic_write_text
 from pipeline.run import settings as settings_mod
 from pipeline.run.settings import TrainSettings
 
@@ -51,10 +50,9 @@ class RunSpec:
         data["settings"] = settings_mod.to_dict(self.settings)
         return data
 
-    def save(self) -> Path:
-        path = Path(self.run_dir) / "run.json"
-        atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
-        return path
+    def to_json(self) -> str:
+        """run.json's text (pipeline.run.rundir reads and writes the file)."""
+        return json.dumps(self.to_dict(), indent=2) + "\n"
 
     @classmethod
     def from_dict(cls, data: dict) -> "RunSpec":

@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline import envvars
 from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_write_text
 from pipeline.run.rundir import RunDir
@@ -32,7 +33,7 @@ ROOT_MARKER = ".pipeline-checkpoints"
 
 
 def checkpoints_root() -> Path:
-    return Path(os.environ.get("PIPELINE_CHECKPOINTS", REPO / "checkpoints"))
+    return Path(os.environ.get(envvars.CHECKPOINTS, REPO / "checkpoints"))
 
 
 def mark_root(root: Path | None = None) -> None:

@@ -9,8 +9,32 @@ from dataclasses import dataclass, field
 
 from pipeline.errors import PipelineError
 
-# Trainium2: ~667 TFLOP/s dense bf16 per chip = 4 logical NeuronCores at LNC=2.
-TRN2_PEAK_PER_LOGICAL_CORE_LNC2 = 667e12 / 4
+
+@dataclass(frozen=True)
+class Trn2Node:
+    """trn2.48xlarge, the node the trn2 target means; every trn2 hardware fact lives here. Sources:
+    shared/notes/neuron.md lines 12-13 (64 logical cores, ~24 GiB HBM each at LNC=2; 667 dense bf16
+    TFLOP/s per chip), 77 (LNC=2 is the runtime default when NEURON_LOGICAL_NC_CONFIG is unset), 89.
+    On CPU, tests/training/test_training_memory.py runs hbm_per_rank (24 GiB at LNC=2) and the trn2 dry
+    runs peak_flops_per_rank."""
+
+    chips: int = 16  # Trainium2 devices, /dev/neuron0..15
+    efa_devices: int = 16  # EFA interfaces (multi-node collectives)
+    hbm_per_chip: int = 96 * 2**30  # at LNC=2 a rank (a logical core) has a quarter: 24 GiB
+    physical_cores_per_chip: int = 8
+    default_lnc: int = 2  # the runtime's logical NeuronCore grouping when LNC_ENV is unset
+    peak_bf16_per_chip: float = 667e12  # dense bf16 FLOP/s
+    device_glob: str = "neuron[0-9]*"  # the devices under /dev
+
+    def hbm_per_rank(self, lnc: int) -> int:
+        return self.hbm_per_chip * lnc // self.physical_cores_per_chip
+
+    def peak_flops_per_rank(self, lnc: int) -> float:
+        return self.peak_bf16_per_chip * lnc / self.physical_cores_per_chip
+
+
+TRN2 = Trn2Node()
+LNC_ENV = "NEURON_LOGICAL_NC_CONFIG"  # logical NeuronCore config: 1 or 2 physical cores per rank
 # Dense bf16 peaks (no sparsity) of the GPUs this pipeline is checked on.
 CUDA_PEAKS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 # TorchNeuron's compiled-graph (NEFF) cache (torch/reference/env-vars; shared/notes/neuron.md).
@@ -61,7 +85,7 @@ class Target:
 
     def peak_flops_per_rank(self, lnc: int = 2) -> float | None:
         if self.name == "trn2":
-            return TRN2_PEAK_PER_LOGICAL_CORE_LNC2 * lnc / 2
+            return TRN2.peak_flops_per_rank(lnc)
         if self.name == "cuda":
             name = _cuda_device_name()
             return next((v for k, v in CUDA_PEAKS.items() if k in name), None)
@@ -81,7 +105,7 @@ TARGETS = {
     "cpu": Target("cpu", "CPU with gloo (the embedded default; tests and CI)", retain_freed_memory=True),
     "cuda": Target("cuda", "NVIDIA GPUs with NCCL"),
     "trn2": Target("trn2", "trn2.48xlarge: 64 logical NeuronCores at LNC=2, TorchNeuron",
-                   env={"NEURON_LOGICAL_NC_CONFIG": "2", "NEURON_RT_STOCHASTIC_ROUNDING_EN": "1"},
+                   env={LNC_ENV: str(TRN2.default_lnc), "NEURON_RT_STOCHASTIC_ROUNDING_EN": "1"},
                    env_defaults={NEFF_CACHE_ENV: DEFAULT_NEFF_CACHE}),
 }
 
@@ -91,7 +115,7 @@ def physical_memory_bytes() -> int:
 
 
 def neuron_devices() -> list[str]:
-    return sorted(glob.glob("/dev/neuron[0-9]*"))
+    return sorted(glob.glob(f"/dev/{TRN2.device_glob}"))
 
 
 def detect() -> str:

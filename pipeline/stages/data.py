@@ -22,7 +22,8 @@ from pipeline.checkpoint import corpus
 from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_write_text
 from pipeline.run import store
-from pipeline.training.dataset import CHAT_EVAL_FILE, CHAT_FILE, HUB_ID, hub_copy
+from pipeline.training.data_files import copy_hub_dataset, parse_columns, write_chat_data, write_local_data
+from pipeline.training.dataset import HUB_ID, hub_copy
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,95 +33,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-split", help="a held-out split copied beside it for eval loss (e.g. test)")
     parser.add_argument("--columns", default="", help="our name=their column, comma-separated, e.g. "
                                                       "messages=conversations or prompt=question,completion=answer")
-
-
-# The chat set made from the same held-out documents (DATASET=chat): conversations short enough for
-# the embedded configs' seq_len 128 with the chat template's markup (about 30 tokens).
-CHAT_SYSTEM = "You continue documentation of the transformers library."
-CHAT_WORDS = (8, 14, 10)  # the user's opening, the first answer, the answer after "Go on."
-CHAT_EVAL_EVERY = 8  # every 8th conversation is held out for eval loss (never trained on)
-
-
-def write_local_data(path: Path) -> Path:
-    lines = "".join(json.dumps({"text": doc}) + "\n" for doc in corpus.held_out_documents())
-    atomic_write_text(path, lines)
-    return path
-
-
-def conversations(documents: list[str]) -> list[dict]:
-    """Two-turn conversations (system, user, assistant, user, assistant) cut from each document's
-    words in order: the assistant continues what the user quoted, then goes on."""
-    out = []
-    size = sum(CHAT_WORDS)
-    for doc in documents:
-        words = doc.split()
-        for at in range(0, len(words) - size + 1, size):
-            opening, first, second = (" ".join(words[at + sum(CHAT_WORDS[:i]):at + sum(CHAT_WORDS[:i + 1])])
-                                      for i in range(3))
-            out.append({"messages": [{"role": "system", "content": CHAT_SYSTEM},
-                                     {"role": "user", "content": f"Continue: {opening}"},
-                                     {"role": "assistant", "content": first},
-                                     {"role": "user", "content": "Go on."},
-                                     {"role": "assistant", "content": second}]})
-    return out
-
-
-def write_chat_data(train_file: Path) -> tuple[Path, Path, int, int]:
-    """data/chat.jsonl and data/chat_eval.jsonl: a deterministic split, every CHAT_EVAL_EVERY-th
-    conversation held out."""
-    records = conversations(corpus.held_out_documents())
-    train = [r for i, r in enumerate(records) if i % CHAT_EVAL_EVERY != CHAT_EVAL_EVERY - 1]
-    held = [r for i, r in enumerate(records) if i % CHAT_EVAL_EVERY == CHAT_EVAL_EVERY - 1]
-    paths = train_file.with_name(CHAT_FILE), train_file.with_name(CHAT_EVAL_FILE)
-    for path, rows in zip(paths, (train, held)):
-        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
-    return *paths, len(train), len(held)
-
-
-OUR_COLUMNS = ("messages", "prompt", "completion", "text")
-
-
-def parse_columns(given: str) -> dict[str, str]:
-    """"messages=conversations,…" → {"messages": "conversations", …}, refused in one line when malformed."""
-    mapping = {}
-    for item in filter(None, (part.strip() for part in given.split(","))):
-        ours, _, theirs = item.partition("=")
-        if ours.strip() not in OUR_COLUMNS or not theirs.strip():
-            raise PipelineError(f"DATASET_COLUMNS item {item!r} is not <ours>=<their column> with ours one of "
-                                f"{', '.join(OUR_COLUMNS)}.", "e.g. DATASET_COLUMNS=messages=conversations.")
-        mapping[ours.strip()] = theirs.strip()
-    return mapping
-
-
-def copy_hub_dataset(dataset: str, split: str, columns: dict[str, str], out: Path) -> tuple[int, str]:
-    """The split as JSON lines of the pipeline's columns, each record checked; returns (records, format)."""
-    from datasets import load_dataset
-    from tqdm import tqdm
-
-    from pipeline.training.dataset import check_record
-
-    try:
-        rows = load_dataset(dataset, split=split)
-    except Exception as err:  # offline, unknown id or split, gated: datasets raises many kinds
-        raise PipelineError(f"DATASET={dataset} split {split!r} cannot be loaded: {type(err).__name__}: "
-                            f"{str(err).splitlines()[0] if str(err) else ''}",
-                            "check the id, DATASET_SPLIT and the network (HF_TOKEN for gated sets).") from err
-    missing = sorted(set(columns.values()) - set(rows.column_names))
-    if missing:
-        raise PipelineError(f"DATASET={dataset} split {split!r} has no column {', '.join(missing)} "
-                            f"(it has {', '.join(rows.column_names)}).", "fix DATASET_COLUMNS.")
-    renamed = {theirs: ours for ours, theirs in columns.items()}
-    keep = [c for c in rows.column_names if renamed.get(c, c) in OUR_COLUMNS]
-    form, lines = None, []
-    for number, row in enumerate(tqdm(rows, desc=f"copying {dataset}:{split}", unit="rec",
-                                      disable=len(rows) < 10_000), 1):
-        line = json.dumps({renamed.get(c, c): row[c] for c in keep}, ensure_ascii=False)
-        form = check_record(line, f"DATASET={dataset} split {split!r}", number, form)
-        lines.append(line + "\n")
-    if not lines:
-        raise PipelineError(f"DATASET={dataset} split {split!r} is empty.", "choose another DATASET_SPLIT.")
-    atomic_write_text(out, "".join(lines))
-    return len(lines), form
 
 
 def run(args: argparse.Namespace) -> Path | None:

@@ -14,6 +14,7 @@ import json
 import os
 import time
 
+from pipeline import envvars
 from pipeline.checkpoint import manifest
 from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_write_text
@@ -62,7 +63,7 @@ def _upload(args, export, files: list[str], listed: dict, run_dir) -> dict:
     from huggingface_hub import HfApi, get_token
     from huggingface_hub.errors import HfHubHTTPError
 
-    token = os.environ.get("HF_TOKEN") or get_token()
+    token = os.environ.get(envvars.HF_TOKEN) or get_token()
     if not token:
         raise PipelineError("publishing needs a Hugging Face token with write access.",
                             "export HF_TOKEN=<a write token> (or `hf auth login`); it is never printed.")

@@ -2,65 +2,35 @@
 
 `--path` chooses the training path (pipeline.models.registry); everything else — launcher,
 data, metrics, checkpoints — is shared. A dry run resolves and validates everything, prints the
-resolved run and the exact command, and launches nothing. A run directory holds a lock while its
-launch is alive: a second launch into it refuses, naming the live one.
+resolved run and the exact command, and launches nothing. The launch itself (the run's lock,
+torchrun's output, the one-line diagnosis of a failure) is pipeline.training.launcher.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
-import contextlib
-import json
 import os
-import re
 import shlex
-import signal
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
-from pipeline.errors import PipelineError
+from pipeline import flags
 from pipeline.models import registry
-from pipeline.run import continuation, diskspace, targets
-from pipeline.run.rundir import RunDir, RunLock
-from pipeline.titan import compat
-from pipeline.run.spec import RunSpec
-from pipeline.training import dataset, memory, torchrun
+from pipeline.run import continuation, targets
+from pipeline.run.rundir import RunDir
+from pipeline.titan import internals
+from pipeline.training import memory, torchrun
+from pipeline.training.launcher import launch, memory_line
+from pipeline.run.settings import TrainSettings
 from pipeline.training.resolve import RunRequest, resolve
-
-# When the launcher started torchrun (time.time()), for the ranks' start-up timings (timings.json).
-LAUNCHED_AT = "PIPELINE_LAUNCHED_AT"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="Hub id, local HF directory, or tiny / tiny-moe")
-    parser.add_argument("--path", required=True, choices=registry.names(), help="training path")
-    parser.add_argument("--target", help="cpu, cuda or trn2 (detected when unset)")
-    parser.add_argument("--steps", type=int)
-    parser.add_argument("--seq-len", type=int)
-    parser.add_argument("--nproc-per-node", type=int)
-    parser.add_argument("--config", type=Path, help="your config file, layered over configs/<target>.toml key by key")
-    parser.add_argument("--dataset", help="local (the model's data/train.jsonl), a .jsonl/.txt file, a torchtitan "
-                        "dataset (c4, c4_test) or a Hub dataset id org/name (default: the config's)")
-    parser.add_argument("--revision", help="the Hub revision the run must start from (as downloaded)")
-    parser.add_argument("--titan-args", default="", help="torchtitan flags applied over the built config, e.g. "
-                        "--titan-args='--training.steps 5 --lr-scheduler.warmup-steps 1' ('--help' lists them)")
-    parser.add_argument("--dry-run", action="store_true")
-    parser.add_argument("--fresh", action="store_true",
-                        help="discard this run (checkpoints, metrics, export, verify.json) and start it again")
-    parser.add_argument("--name", help="the run's name, its folder runs/<name> (default: the path's name); a re-run "
-                        "continues it only with the same settings")
+    flags.add_flags(parser, RunRequest, choices={"path": registry.names()})
+    flags.add_flags(parser, TrainSettings, unset_default=True)  # over the config files when given
 
 
 def request(args: argparse.Namespace) -> RunRequest:
-    return RunRequest(model=args.model, path=args.path, target=args.target, config=args.config, steps=args.steps,
-                      seq_len=args.seq_len, nproc_per_node=args.nproc_per_node, dataset=args.dataset,
-                      revision=args.revision,
-                      titan_args=tuple(shlex.split(args.titan_args)), dry_run=args.dry_run,
-                      name=getattr(args, "name", None))
+    return RunRequest(**flags.values(RunRequest, args), flags=flags.values(TrainSettings, args, given_only=True))
 
 
 def run(args: argparse.Namespace):
@@ -68,7 +38,7 @@ def run(args: argparse.Namespace):
     if not args.dry_run:
         targets.check_launchable(target)
     # The ranks build torchtitan's internals: a torchtitan without them is refused here, in one line.
-    compat.check_torchtitan(target.name)
+    internals.check_torchtitan(target.name)
     spec = resolve(request(args))
     target = targets.TARGETS[spec.target]
     command = torchrun.command(spec)
@@ -77,167 +47,8 @@ def run(args: argparse.Namespace):
         continuation.check_continues(RunDir(Path(spec.run_dir)), spec)
     if args.dry_run:
         print(memory_line(spec))
-        print(json.dumps(spec.to_dict(), indent=2))
+        print(spec.to_json(), end="")
         print("launch command:")
         print(" ".join(part for part in (env_prefix, shlex.join(command)) if part))
         return spec
     return launch(spec, fresh=args.fresh)
-
-
-def launch(spec: RunSpec, fresh: bool = False) -> RunSpec:
-    """Run a resolved spec's torchrun command in its run directory (locked while it lives)."""
-    target = targets.TARGETS[spec.target]
-    command = torchrun.command(spec)
-    run_dir = RunDir(Path(spec.run_dir))
-    with contextlib.ExitStack() as held:
-        held.enter_context(RunLock(run_dir))
-        if fresh:
-            # Everything the new run needs is checked before the old one goes (resolve checked the
-            # config, checkpoint and memory; the data is read through here), then the old run is
-            # moved aside in one rename and deleted once the new directory holds its own lock.
-            dataset.check_readable(dataset.DataSource(spec.data_kind, spec.settings.dataset, spec.data_file,
-                                                      spec.data_format))
-            if continuation.discard(run_dir) is not None:
-                held.enter_context(RunLock(run_dir))
-                continuation.delete_discarded(run_dir)
-        else:
-            continuation.check_continues(run_dir, spec)
-            continuation.remove_incomplete_steps(run_dir)
-        run_dir.check_resume()  # the ranks check it too (launch files start them without this stage)
-        diskspace.check_room_for_a_save(spec)
-        spec.save()
-        print(memory_line(spec), flush=True)
-        _warn_if_short_of_memory(spec)
-        run_dir.failure.unlink(missing_ok=True)
-        print(f"launching {spec.path} on {spec.target}: {shlex.join(command)}", flush=True)
-        oom_kills = _oom_kills()
-        env = {**target.launch_env(dict(os.environ), memory.host_need(spec)), "PYTHONUNBUFFERED": "1",
-               LAUNCHED_AT: repr(time.time())}
-        code, stderr_tail = _run_teeing_stderr(command, env)
-    if code != 0:
-        raise PipelineError(*_failure(code, stderr_tail, run_dir, _oom_kills() - oom_kills, spec))
-    return spec
-
-
-def memory_line(spec) -> str:
-    m = spec.memory
-    parts = ", ".join(f"{k} {v:.2f}" for k, v in m["parts_gib"].items())
-    against = f" of {m['capacity_gib']:.0f} GiB ({m['usable_gib']:.1f} usable)" if m["capacity_gib"] else ""
-    return f"memory per rank (estimate): {m['total_gib']:.2f} GiB{against}: {parts} GiB; {m['notes'][0]}"
-
-
-def _warn_if_short_of_memory(spec) -> None:
-    """On CPU the ranks share this machine's memory: say so before a run that cannot fit."""
-    available = _mem_available_gib()
-    wanted = memory.host_need(spec) / memory.GIB
-    if spec.target == "cpu" and available is not None and wanted > available:
-        print(f"warning: {spec.settings.nproc_per_node} rank(s) need about {wanted:.1f} GiB (the estimate above plus "
-              f"{memory.CPU_PROCESS_GIB} GiB for each process) and {available:.1f} GiB is available; the kernel may "
-              "kill a rank (NPROC=1 needs less in all).", file=sys.stderr, flush=True)
-
-
-def _mem_available_gib() -> float | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) / 2**20
-    except OSError:
-        pass
-    return None
-
-
-def _run_teeing_stderr(command: list[str], env: dict) -> tuple[int, list[str]]:
-    """Run torchrun with its stderr passed through live and its last lines kept: torchrun's error
-    summary there is the only place that says how a rank ended (exit status or signal)."""
-    proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1,
-                            preexec_fn=_stop_with_the_launcher if sys.platform.startswith("linux") else None)
-    tail: collections.deque[str] = collections.deque(maxlen=400)
-
-    def copy() -> None:
-        for line in proc.stderr:
-            sys.stderr.write(line)
-            sys.stderr.flush()
-            tail.append(line)
-
-    reader = threading.Thread(target=copy, daemon=True)
-    reader.start()
-    try:
-        code = proc.wait()
-    except KeyboardInterrupt:
-        proc.send_signal(signal.SIGINT)
-        code = proc.wait()
-    reader.join(timeout=10)
-    return code, list(tail)
-
-
-def _stop_with_the_launcher() -> None:
-    """In torchrun's process, before exec: SIGTERM when the launcher dies, however it dies. A killed
-    launcher (kill -9, a CI timeout) otherwise left torchrun and its ranks training on, seen here for
-    an hour, writing into a run the user may start again; torchrun stops its ranks on SIGTERM, and the
-    ranks die with torchrun (training.entry). Popen runs this in the main thread's child, so the
-    signal follows the launcher's main thread, which lives as long as the launcher."""
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def _oom_kills() -> int:
-    """The kernel's count of out-of-memory kills since boot (-1 where /proc/vmstat lacks it)."""
-    try:
-        text = Path("/proc/vmstat").read_text()
-    except OSError:
-        return -1
-    match = re.search(r"^oom_kill (\d+)$", text, re.MULTILINE)
-    return int(match.group(1)) if match else -1
-
-
-def root_cause(stderr_lines: list[str]) -> tuple[int, int] | None:
-    """(rank, exit code; negative = killed by that signal) of torchrun's first observed failure."""
-    text = "".join(stderr_lines)
-    at = text.rfind("Root Cause")
-    rank = re.search(r"^\s*rank\s*:\s*(\d+)", text[at:], re.MULTILINE) if at >= 0 else None
-    code = re.search(r"^\s*exitcode\s*:\s*(-?\d+)", text[at:], re.MULTILINE) if at >= 0 else None
-    return (int(rank.group(1)), int(code.group(1))) if rank and code else None
-
-
-def _failure(code: int, stderr_lines: list[str], run: RunDir, oom_kills: int, spec=None) -> tuple[str, str]:
-    recorded = run.recorded_failure()
-    if recorded:  # a rank stopped on a one-line error of its own
-        return recorded["problem"], recorded["fix"]
-    if spec is not None and diskspace.disk_is_full(spec):  # even failure.json could not be written
-        return (f"training exited with status {code} and the disk holding {run.path} is full "
-                f"({diskspace.free_bytes(run.path) / diskspace.GIB:.2f} GiB free, less than one checkpoint save): a "
-                f"save most likely failed with \"No space left on device\" (cut from the rank logs in {run.logs}, "
-                "on that disk).", "free space there (or set PIPELINE_CHECKPOINTS to a larger disk), then rerun the "
-                "same command: it resumes from the last complete checkpoint.")
-    if code < 0:
-        return f"torchrun was killed by {signal.Signals(-code).name}; logs are in {run.logs}.", \
-            "rerun the same command to resume from the last checkpoint."
-    cause = root_cause(stderr_lines)
-    if cause is None or cause[1] >= 0:
-        which = f" (rank {cause[0]}, exit status {cause[1]})" if cause else ""
-        return f"training exited with status {code}{which}; logs are in {run.logs}.", \
-            "read the first error in the rank logs above."
-    rank, signum = cause[0], -cause[1]
-    try:
-        name = signal.Signals(signum).name
-    except ValueError:
-        name = f"signal {signum}"
-    if signum != signal.SIGKILL:
-        return f"rank {rank} was killed by {name}; logs are in {run.logs}.", "read the rank's log above for what it was doing."
-    peak = _last_memory(run)
-    seen = "the kernel's out-of-memory killer ran during the run" if oom_kills > 0 else \
-        "most likely by the kernel's out-of-memory killer"
-    return (f"rank {rank} was killed by SIGKILL, {seen} (this machine: {_memory_total_gib():.0f} GiB"
-            f"{f'; peak RSS logged by rank 0: {peak:.1f} GiB' if peak else ''}); logs are in {run.logs}.",
-            "give each rank more memory: fewer ranks (NPROC=1), a smaller SEQ_LEN or local_batch_size, "
-            "activation_checkpoint = \"full\", or stop other memory users; then rerun to resume.")
-
-
-def _last_memory(run: RunDir) -> float | None:
-    records = run.metric_records()
-    return float(records[-1]["memory_gib"]) if records and "memory_gib" in records[-1] else None
-
-
-def _memory_total_gib() -> float:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30

@@ -1,2 +1,6 @@
-"""torchtitan glue: `compat` (every version and CPU workaround, one comment each) and `trainer`
-(what the pipeline adds to torchtitan's Trainer: metrics.jsonl, first batch, weights copy)."""
+"""torchtitan glue, one concern per module, among them: `patches` (the CPU and trn2 runtime patches
+applied in each rank before torchtitan is imported, one comment each), `internals` (the private
+torchtitan names the pipeline uses, checked before launch) and `accessors` (the only way the
+pipeline reaches them), `args` (TITAN_ARGS through torchtitan's own parser), `api` (the two
+torchtitan APIs told apart), and `trainer` (what the pipeline adds to torchtitan's Trainer:
+metrics.jsonl, first batch, weights copy)."""

@@ -184,7 +184,7 @@ def forward_signature_of(parent_forward):
 
 
 # torchtitan's own text datasets and the path each reads (hf_datasets/text_datasets.py DATASETS), named
-# here so the launcher checks DATASET= without importing torchtitan; tests/test_training_dataset.py
+# here so the launcher checks DATASET= without importing torchtitan; tests/training/test_training_dataset.py
 # keeps each equal to its variant's registry. main reads c4_test's JSON file, 0.3.0 its folder.
 TITAN_DATASETS = {
     V030: {"c4": "allenai/c4", "c4_test": "tests/assets/c4_test", "c4_validation": "allenai/c4"},

@@ -22,11 +22,7 @@ from torchtitan.trainer import Trainer
 
 from pipeline.run import rundir
 from pipeline.run.rundir import RunDir
-from pipeline.titan import compat
-
-# Wall-clock marks (time.time()) of one rank's start-up, for the time-to-first-step benchmark:
-# training.entry sets entry/imported/built, the checkpointer sets loaded, step 1 writes the file.
-TIMINGS: dict[str, float] = {}
+from pipeline.titan import accessors
 
 
 def measure_cpu_peak_flops(size: int = 1024, repeats: int = 5) -> float:
@@ -57,6 +53,7 @@ class JsonlMetricsProcessor(MetricsProcessor):
         (0: the model config's own get_nparams_and_flops)."""
 
     logged_peak_memory_gib = 0.0  # the largest peak any logged step read (log() raises it per instance)
+    timings: dict[str, float] | None = None  # PipelineTrainer.timings: step 1 writes them (timings.json)
 
     def __init__(self, config: Config, **kwargs):
         super().__init__(config, **kwargs)
@@ -66,7 +63,7 @@ class JsonlMetricsProcessor(MetricsProcessor):
 
     def run_peak_memory_gib(self) -> float:
         """The run's peak memory per the device memory monitor, the one every read goes through (on trn2
-        compat's SynchronizedMemoryMonitor: torch.neuron.synchronize() first): the largest logged step's,
+        titan.patches' SynchronizedMemoryMonitor: torch.neuron.synchronize() first): the largest logged step's,
         or one more read now if larger (the monitor's peak restarts at every log, so a read at the end
         alone would see only what ran after the last logged step)."""
         return max(self.logged_peak_memory_gib, self.device_memory_monitor.get_peak_stats().max_reserved_gib)
@@ -113,9 +110,9 @@ class JsonlMetricsProcessor(MetricsProcessor):
                 self._write(record)
             if step == 1:
                 print(f"step-1 loss: {global_avg_loss:.6f}", flush=True)
-                if TIMINGS:
+                if self.timings:
                     Path(self.config.jsonl_path).with_name(rundir.TIMINGS).write_text(
-                        json.dumps({**TIMINGS, "step1": record["time"]}) + "\n")
+                        json.dumps({**self.timings, "step1": record["time"]}) + "\n")
 
 
     def _write(self, record: dict) -> None:
@@ -150,7 +147,7 @@ def release_free_memory() -> None:
         pass
 
 
-class WeightsCheckpointManager(compat.checkpoint_manager_base()):
+class WeightsCheckpointManager(accessors.checkpoint_manager_base()):
     """torchtitan's DCP checkpointer that also writes the model weights as safetensors
     (step-N/model_weights.safetensors, pipeline.run.rundir.WEIGHTS) at a run's last step, the one
     export reads: renamed into place after DCP's .metadata. Other steps are DCP only (the copy
@@ -158,12 +155,13 @@ class WeightsCheckpointManager(compat.checkpoint_manager_base()):
     file gets it when resumed (PipelineTrainer.train)."""
 
     @dataclass(kw_only=True, slots=True)
-    class Config(compat.checkpoint_manager_base().Config):
+    class Config(accessors.checkpoint_manager_base().Config):
         lora_rank: int = 0
         lora_alpha: float = 16.0
         kv_heads: int = 0  # the model's, for LoRA's merge into the fused wqkv's wq/wk/wv
 
     lora: tuple[int, float, int] | None = None  # (rank, alpha, kv heads) of a LoRA run, from the config
+    timings: dict[str, float] | None = None  # PipelineTrainer.timings: after_load adds "loaded"
 
     def __init__(self, config: Config, **kwargs):
         super().__init__(config, **kwargs)
@@ -203,7 +201,8 @@ class WeightsCheckpointManager(compat.checkpoint_manager_base()):
 
     def after_load(self, step: int, loaded: bool) -> None:
         release_free_memory()  # the load's buffers (a whole checkpoint read and converted) are gone
-        TIMINGS["loaded"] = time.time()
+        if self.timings is not None:
+            self.timings["loaded"] = time.time()
 
     def has_weights(self, step: int) -> bool:
         return (Path(self.step_folder(step)) / rundir.WEIGHTS).exists()
@@ -315,7 +314,11 @@ def _aliases(state: list[tuple[str, torch.Tensor]]) -> dict[str, str]:
 
 class PipelineTrainer(Trainer):
     """Saves every rank's first batch so any later check can recompute the step-1 loss, and, when
-    asked (`record_plan`), what the rank really runs: its parallel layout and step 1 (plan_probe)."""
+    asked (`record_plan`), what the rank really runs: its parallel layout and step 1 (plan_probe).
+
+    `timings` holds the wall-clock marks (time.time()) of the rank's start-up, for the time-to-first-step
+    benchmark: training.entry adds entry/imported/threads/launched/built before training, the checkpointer
+    adds loaded, and the metrics processor writes them with step1 to timings.json at step 1."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
@@ -325,6 +328,8 @@ class PipelineTrainer(Trainer):
 
     def __init__(self, config, **kwargs):
         super().__init__(config, **kwargs)
+        self.timings: dict[str, float] = {}
+        self.checkpointer.timings = self.metrics_processor.timings = self.timings  # the components that add to them
         if getattr(self.checkpointer, "lora", None):
             from pipeline.titan import lora
 

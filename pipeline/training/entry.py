@@ -18,10 +18,12 @@ from pathlib import Path
 
 ENTERED = time.time()
 
+from pipeline import envvars
 from pipeline.errors import PipelineError
 from pipeline.run import diskspace, rundir
 from pipeline.run.spec import RunSpec
-from pipeline.titan import api, compat
+from pipeline.titan import api, patches
+from pipeline.titan.args import apply_titan_args
 from pipeline.training import chat, dataset
 
 MEMORY_KIND = {"cpu": "peak RSS (CPU)", "cuda": "CUDA reserved", "trn2": "HBM reserved"}
@@ -111,7 +113,7 @@ def build_config(spec: RunSpec):
         debug=DebugConfig(seed=s.seed, deterministic=spec.target == "cpu"),
         override=OverrideConfig(imports=list(spec.overrides)),
     )
-    return compat.apply_titan_args(config, spec.titan_args)
+    return apply_titan_args(config, spec.titan_args)
 
 
 def _dataloader(source: dataset.DataSource, name: str | None = None):
@@ -233,18 +235,18 @@ def _exit_skipping_teardown() -> None:
 
 
 def run(spec: RunSpec, rank: int) -> None:
-    compat.apply(spec.target)
+    patches.apply(spec.target)
 
     import torch
     from torchtitan.tools.logging import init_logger, logger
 
     init_logger()
     logger.info(f"torchtitan API: {api.variant_of_imported()}")  # which of the two (titan.api) this rank runs on
-    from pipeline.titan.trainer import TIMINGS
+    from pipeline.titan.trainer import PipelineTrainer  # torchtitan's Trainer imported: the "imported" mark
 
-    TIMINGS.update(entry=ENTERED, imported=time.time(), threads=torch.get_num_threads())
-    if os.environ.get("PIPELINE_LAUNCHED_AT"):  # set by the train stage as it starts torchrun
-        TIMINGS["launched"] = float(os.environ["PIPELINE_LAUNCHED_AT"])
+    timings = {"entry": ENTERED, "imported": time.time(), "threads": torch.get_num_threads()}
+    if os.environ.get(envvars.LAUNCHED_AT):  # set by the train stage as it starts torchrun
+        timings["launched"] = float(os.environ[envvars.LAUNCHED_AT])
     check_overrides(spec, rank)
     dataset.open_in_rank(dataset.DataSource(spec.data_kind, spec.settings.dataset, spec.data_file, spec.data_format))
     if spec.eval_file:
@@ -252,8 +254,8 @@ def run(spec: RunSpec, rank: int) -> None:
     if spec.settings.wandb:  # torchtitan's WandBLogger reads these; a user's own values win
         os.environ.setdefault("WANDB_PROJECT", spec.settings.wandb_project)
         os.environ.setdefault("WANDB_RUN_NAME", f"{spec.model_key}/{Path(spec.run_dir).name}")
-    trainer = build_config(spec).build()
-    TIMINGS["built"] = time.time()
+    trainer: PipelineTrainer = build_config(spec).build()
+    trainer.timings.update(timings, built=time.time())  # before training: the checkpointer's load adds "loaded"
     try:
         trainer.train()
     finally:

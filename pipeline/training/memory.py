@@ -8,28 +8,25 @@ prefetched, and one unit's unsharded float32 gradients); activations at the chos
 sequence length and local batch; the logits and the float32 log-softmax of the loss; where a path's
 MoE experts backward runs block by block (nki), its working set (experts_backward_bytes). Not
 modelled: the runtime's and collectives' own buffers, compiler scratch and allocator fragmentation —
-hence HEADROOM. tests/test_training_memory.py and bench/memory_estimate.py compare it with measured peaks.
+hence HEADROOM. tests/training/test_training_memory.py and bench/memory_estimate.py compare it with measured peaks.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from pipeline.dtypes import DTYPES
 from pipeline.checkpoint.arch import Qwen3Arch
 from pipeline.errors import PipelineError
 from pipeline.models import registry
 from pipeline.models.nki.constraints import MOE_BLOCK_SIZE
 from pipeline.run.settings import TrainSettings
+from pipeline.run.targets import TRN2
 
 GIB = 2**30
-# trn2.48xlarge: 16 Trainium2 chips × 96 GiB HBM; at LNC=2 a chip is 4 logical NeuronCores, so
-# ~24 GiB per rank (shared/notes/neuron.md; LNC=1 halves the core and its share).
-TRN2_HBM_PER_CHIP = 96 * GIB
-TRN2_PHYSICAL_CORES_PER_CHIP = 8
 # Fraction of the capacity a plan may fill: the Neuron runtime, collective buffers and compiled
 # graphs live in the same HBM and are not modelled here.
 HEADROOM = 0.9
-BYTES = {"float32": 4, "bfloat16": 2}
 # On CPU each rank is also a process holding torch, torchtitan, the tokenizer and the data pipeline:
 # measured RSS of a rank after its imports, before the model exists (issue 14). Added on top of the
 # estimate where ranks share the host's memory (the launcher's check, memory.json).
@@ -38,7 +35,7 @@ CPU_PROCESS_GIB = 0.8
 
 def capacity_per_rank(target: str, lnc: int) -> int | None:
     if target == "trn2":
-        return TRN2_HBM_PER_CHIP * lnc // TRN2_PHYSICAL_CORES_PER_CHIP
+        return TRN2.hbm_per_rank(lnc)  # 24 GiB at LNC=2: a chip's 96 GiB over its 4 logical cores
     return None  # CPU: host memory; CUDA: not estimated against (the GPU is whatever is there)
 
 
@@ -116,7 +113,7 @@ def estimate(arch: Qwen3Arch, settings: TrainSettings, path: str, target: str) -
     counts = arch.param_counts()
     per_tp_rank = sum(v / tp if k in plan.tp_sharded else v for k, v in counts.items())
     params_rank = per_tp_rank / dp
-    compute = BYTES[settings.dtype]
+    compute = DTYPES[settings.dtype].bytes
     adapters = lora_params(arch, settings) / dp if settings.lora_rank else 0.0
     trained = adapters if settings.lora_rank else params_rank  # LoRA: gradients and AdamW state for adapters only
     parts = {
@@ -161,7 +158,7 @@ def experts_backward_bytes(expert_params: float, rows: float, hidden: int, inter
     moe_cte_reference_backward) beyond its inputs: gradient accumulators for the layer's expert weights
     and for x in the compute dtype (the gradients it returns), x and the incoming gradient padded with
     moe_cte's zero row, and one block's weights and activations. Measured on CPU by
-    tests/test_training_memory.py."""
+    tests/training/test_training_memory.py."""
     block = compute * (4 * hidden * inter + block_size * (3 * hidden + 8 * inter))
     return compute * expert_params + 3 * compute * (rows + 1) * hidden + block
 

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import math
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 from pipeline.checkpoint.arch import Qwen3Arch
-from pipeline.errors import PipelineError
+from pipeline.errors import Check, PipelineError
 from pipeline.models import registry
 from pipeline.run import settings as settings_mod
 from pipeline.run.settings import TrainSettings
@@ -119,18 +119,6 @@ def plan(path: str, arch: Qwen3Arch, steps: int = STEPS) -> Rehearsal:
 
 def _in_effect(settings: TrainSettings, key: str) -> bool:
     return settings.compile if key == "compile_backend" else True
-
-
-def plan_keys() -> list[str]:
-    """The keys a rehearsal takes from trn2.toml (every setting but the workload)."""
-    return [f.name for f in fields(TrainSettings) if f.name not in WORKLOAD]
-
-
-@dataclass(frozen=True)
-class Check:
-    name: str
-    passed: bool
-    detail: str
 
 
 def _sharded(placement: str) -> bool:

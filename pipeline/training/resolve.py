@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.checkpoint import hf_dir
 from pipeline.checkpoint.arch import Qwen3Arch, arch_from_config
 from pipeline.errors import PipelineError
+from pipeline.flags import flag
 from pipeline.models import registry
 from pipeline.run import settings as settings_mod
 from pipeline.run import store, targets
@@ -28,33 +29,32 @@ HUB_CONFIGS = store.HUB_CONFIGS
 
 @dataclass(frozen=True)
 class RunRequest:
-    """What a user asks for; None means "not given" (configs decide)."""
+    """What a user asks for; None means "not given" (configs decide). Fields with help are the `train`
+    stage's flags (pipeline.flags), TrainSettings' flag fields come in `flags`."""
 
-    model: str
-    path: str
-    target: str | None = None
-    config: Path | None = None  # a user's config file, layered over configs/<target>.toml
-    steps: int | None = None
-    seq_len: int | None = None
-    nproc_per_node: int | None = None
-    nnodes: int | None = None
-    dataset: str | None = None  # DATASET=, over the config's `dataset`
-    revision: str | None = None
-    titan_args: tuple[str, ...] = ()
-    dry_run: bool = False
+    model: str = flag(None, "Hub id, local HF directory, or tiny / tiny-moe", required=True)
+    path: str = flag(None, "training path", required=True)
+    target: str | None = flag(None, "cpu, cuda or trn2 (detected when unset)")
+    config: Path | None = flag(None, "your config file, layered over configs/<target>.toml key by key")
+    revision: str | None = flag(None, "the Hub revision the run must start from (as downloaded)")
+    titan_args: tuple[str, ...] = flag((), "torchtitan flags applied over the built config, e.g. "
+                                       "--titan-args='--training.steps 5 --lr-scheduler.warmup-steps 1' ('--help' lists "
+                                       "them)", words=True)
+    dry_run: bool = flag(False, "resolve and print the run and its torchrun command; launch nothing")
+    fresh: bool = flag(False, "discard this run (checkpoints, metrics, export, verify.json) and start it again")
+    name: str | None = flag(None, "the run's name, its folder runs/<name> (default: the path's name); a re-run "
+                            "continues it only with the same settings")
+    flags: dict = field(default_factory=dict)  # TrainSettings fields given on the command line (STEPS=…)
     checkpoints_root: Path | None = None  # where the nodes see checkpoints/ (launch); default this host's
     settings: TrainSettings | None = None  # given whole (rehearse): no config file is read, flags still apply
     run_dir: Path | None = None  # default: the model's runs/<name>
-    name: str | None = None  # RUN_NAME: the run's folder under runs/ (default: the path's name)
 
 
 def resolve(request: RunRequest) -> RunSpec:
     path = registry.get(request.path)
     target = targets.resolve(request.target)
     cfg = request.settings or settings_mod.load(target.name, path.name, registry.names(), request.config)
-    cfg = settings_mod.with_flags(cfg, steps=request.steps, seq_len=request.seq_len,
-                                  nproc_per_node=request.nproc_per_node, nnodes=request.nnodes,
-                                  dataset=request.dataset)
+    cfg = settings_mod.with_flags(cfg, **request.flags)
     home = store.home(request.model, request.checkpoints_root)
     store.check_revision_applies(home.source, request.revision)
     if request.dry_run and not home.is_downloaded():
@@ -143,10 +143,11 @@ def check_lora(spec: RunSpec) -> None:
     if s.lora_rank < 0 or (s.lora_rank and s.lora_alpha <= 0):
         raise PipelineError(f"lora_rank = {s.lora_rank}, lora_alpha = {s.lora_alpha}: rank must be ≥ 0 (0: off) "
                             "and alpha > 0.", "fix them in your config.")
-    if s.lora_rank and spec.path == "hf":
-        raise PipelineError("LoRA (lora_rank > 0) runs on the native and nki paths (torchtitan's LoRA converter "
-                            "works on torchtitan's model configs); the hf path trains transformers' own modules.",
-                            "use `make train-native` (or train-nki), or lora_rank = 0.")
+    if s.lora_rank and not registry.get(spec.path).lora:
+        able = [p for p in registry.names() if registry.get(p).lora]
+        raise PipelineError(f"LoRA (lora_rank > 0) runs on the {' and '.join(able)} paths (torchtitan's LoRA converter "
+                            f"works on torchtitan's model configs); the {spec.path} path trains transformers' own "
+                            "modules.", f"use `make train-{able[0]}`, or lora_rank = 0.")
 
 
 def check_wandb(spec: RunSpec) -> None:
@@ -171,7 +172,7 @@ def check_device_choices(spec: RunSpec) -> None:
     s = spec.settings
     if spec.target != "trn2":
         return
-    if s.attention_backend == "flex" and spec.path != "hf":
+    if s.attention_backend == "flex" and registry.get(spec.path).titan_attention:
         raise PipelineError('attention_backend = "flex" on trn2: torchtitan runs FlexAttention and its block mask '
                             "through torch.compile with Inductor, which the neuron backend does not use.",
                             'set attention_backend = "document_sdpa" (configs/trn2.toml does).')

@@ -17,7 +17,8 @@ from pipeline.errors import PipelineError
 from pipeline.run import settings as settings_mod
 from pipeline.run.settings import TrainSettings
 from pipeline.run.spec import RunSpec
-from pipeline.titan import api, compat
+from pipeline.titan import api
+from pipeline.titan.args import apply_titan_args
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,7 @@ def fold(spec: RunSpec) -> TrainSettings:
     from pipeline.training import entry
 
     base = entry.build_config(replace(spec, titan_args=[]))
-    parsed = compat.apply_titan_args(base, list(spec.titan_args))
+    parsed = apply_titan_args(base, list(spec.titan_args))
     changes = changed_fields(base, parsed)
     for refused in REFUSED:
         dotted = _path(base, refused.field)

@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pipeline.run.targets import TRN2
+
 # Every rank holds every expert (no expert parallelism), so a block holds rows of one expert;
 # 256 is moe_cte's smallest block (bwmm_shard_on_I: "Block size B must be multiple of 256").
 MOE_BLOCK_SIZE = 256
@@ -25,7 +27,7 @@ MOE_BLOCK_SIZE = 256
 ROUTER_MAX_TOKENS = 2048
 # When NEURON_LOGICAL_NC_CONFIG is unset, trn2's runtime runs LNC=2 (neuron.md, "Checked against
 # public sources"): kernels are launched with that grid and shapes are checked against it.
-TRN2_DEFAULT_LNC = 2
+TRN2_DEFAULT_LNC = TRN2.default_lnc
 
 
 @dataclass(frozen=True)

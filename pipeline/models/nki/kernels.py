@@ -15,6 +15,7 @@ import importlib
 import os
 
 from pipeline.models.nki.constraints import TRN2_DEFAULT_LNC
+from pipeline.run.targets import LNC_ENV
 
 
 @functools.cache
@@ -31,7 +32,7 @@ def nki_unavailable_reason() -> str | None:
 def lnc() -> int:
     """The logical-core degree the kernels are launched with: NEURON_LOGICAL_NC_CONFIG, else trn2's
     runtime default (2)."""
-    value = os.environ.get("NEURON_LOGICAL_NC_CONFIG", str(TRN2_DEFAULT_LNC))
+    value = os.environ.get(LNC_ENV, str(TRN2_DEFAULT_LNC))
     if value not in ("1", "2"):
         raise ValueError(f"NEURON_LOGICAL_NC_CONFIG={value!r}: trn2 runs LNC 1 or 2")
     return int(value)

@@ -8,7 +8,7 @@ from torchtitan.models.common.moe import GroupedExperts, TokenChoiceTopKRouter
 from torchtitan.models.common.rope import CosSinRoPE
 
 from pipeline.models.nki.declarations import BY_FUNCTION
-from pipeline.titan import compat
+from pipeline.titan import accessors
 from pipeline.models.nki.modules import NkiExperts, NkiRoPE, NkiRouter
 
 
@@ -29,7 +29,7 @@ def nki_rope(cfg: CosSinRoPE.Config, use_nki: bool = False) -> NkiRoPE.Config:
 def nki_router(cfg: TokenChoiceTopKRouter.Config, use_nki: bool = False) -> NkiRouter.Config:
     unsupported = {"score_func": cfg.score_func != "softmax", "num_expert_groups": cfg.num_expert_groups is not None,
                    "gate.bias": bool(getattr(cfg.gate, "bias", False)),
-                   "_debug_force_load_balance": compat.router_forces_load_balance(cfg)}
+                   "_debug_force_load_balance": accessors.router_forces_load_balance(cfg)}
     bad = [k for k, v in unsupported.items() if v]
     if bad:
         raise ValueError(f"nki_router: router settings outside router_topk's contract: {bad}")

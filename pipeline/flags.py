@@ -1,0 +1,67 @@
+"""Command lines generated from dataclasses: a field with help in its metadata is a `--flag`, so a
+knob is declared once, as a field, and every stage that takes that dataclass takes its flag.
+
+Metadata keys: help (the field is a flag only with it), required, choices, words (a string on the
+command line, split like a shell into the field's tuple), hidden (accepted, not listed in --help).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+from pathlib import Path
+
+from pipeline.errors import PipelineError
+
+# Annotation (as a string: `from __future__ import annotations`) → argparse type.
+_TYPES = {"str": str, "int": int, "float": float, "Path": Path}
+
+
+def flag(default=None, help: str = "", **metadata):  # noqa: A002 - argparse's own word
+    """A dataclass field that is also a command-line flag."""
+    if isinstance(default, (list, dict, set)):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata={"help": help, **metadata})
+    return dataclasses.field(default=default, metadata={"help": help, **metadata})
+
+
+def flag_fields(cls) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(cls) if "help" in f.metadata]
+
+
+def add_flags(parser: argparse.ArgumentParser, cls, choices: dict | None = None, unset_default: bool = False) -> None:
+    """One flag per flag field of `cls`. `choices`: per field, known only at run time (the registry's
+    paths). `unset_default`: every flag defaults to None, "not given" (the config files decide)."""
+    for f in flag_fields(cls):
+        meta = f.metadata
+        kind = str(f.type).replace(" | None", "").strip()
+        options: dict = {"help": argparse.SUPPRESS if meta.get("hidden") else meta["help"], "dest": f.name}
+        if kind == "bool":
+            options["action"] = "store_true"
+        else:
+            options["type"] = str if meta.get("words") else _TYPES[kind]
+            if (choices or {}).get(f.name) or meta.get("choices"):
+                options["choices"] = tuple((choices or {}).get(f.name) or meta["choices"])
+            options["required"] = bool(meta.get("required"))
+        if unset_default:
+            options["default"] = None
+        elif f.default is not dataclasses.MISSING and not meta.get("required"):
+            options["default"] = shlex.join(f.default) if meta.get("words") else f.default
+        parser.add_argument("--" + f.name.replace("_", "-"), **options)
+
+
+def values(cls, args: argparse.Namespace, given_only: bool = False) -> dict:
+    """The flag fields' values from parsed `args` (words split into tuples); `given_only`: those not None."""
+    out = {}
+    for f in flag_fields(cls):
+        value = getattr(args, f.name)
+        if f.metadata.get("words") and isinstance(value, str):
+            try:
+                value = tuple(shlex.split(value))
+            except ValueError as err:  # an unclosed quote
+                flag_name = "--" + f.name.replace("_", "-")
+                raise PipelineError(f"{flag_name} {value!r} cannot be split into words ({err}).",
+                                    "close its quotes (the value is split as a shell would).") from err
+        if not (given_only and value is None):
+            out[f.name] = value
+    return out

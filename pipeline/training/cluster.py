@@ -1,0 +1,347 @@
+"""Multi-node launch files (stage `launch`); torchrun does the launching, never this code.
+
+`--scheduler slurm` writes an sbatch script, `--scheduler eks` Kubernetes manifests (a
+ConfigMap with run.json, a headless Service for the rendezvous, an Indexed Job with one pod
+per node). Both run the exact torchrun command `train` would, with c10d rendezvous on the
+first node and the EFA environment. The model must already be downloaded (and the data
+prepared) under the cluster's checkpoints directory, a filesystem every node shares.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline import envvars
+from pipeline.errors import PipelineError
+from pipeline.flags import flag
+from pipeline.fsutil import atomic_write_text
+from pipeline.run import pushed, rundir, store, targets
+from pipeline.run.image import IMAGE, default_tag
+from pipeline.run.spec import RunSpec
+from pipeline.training import torchrun
+from pipeline.training.memory import host_need
+from pipeline.training.resolve import RunRequest, resolve
+
+# Libfabric over EFA with GPU/Neuron-direct RDMA; fork-safe because torchrun forks ranks.
+EFA_ENV = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1"}
+# Per target, what a node needs beyond the target's own launch environment. trn2 nodes talk over
+# EFA; CPU nodes (the rehearsal of these files, `make rehearse`) over TCP with gloo.
+LAUNCH_ENV = {"trn2": EFA_ENV, "cpu": {}}
+RDZV_PORT = 29500
+RUN_JSON_IN_POD = "/etc/pipeline/run.json"
+# Hugging Face settings a user's environment gives the launch, written into the launch files so every
+# node's huggingface_hub reads the same cache. HF_TOKEN is a secret: never written to a file (the
+# sbatch job inherits it from the submitting shell; EKS reads it from a Secret).
+HF_PASSED = envvars.HF_SETTINGS
+HF_TOKEN_SECRET = "hf-token"  # kubectl create secret generic hf-token --from-literal=token=$HF_TOKEN
+# EKS: how many times a failed node's trainer container is restarted (in its pod, same DNS name) before the
+# Job gives up, per node; each restart rejoins the rendezvous and resumes from the last complete checkpoint.
+RESTARTS_PER_NODE = 3
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    scheduler: str
+    nodes: int
+    image: str
+    runtime: str  # slurm only: pyxis (the image through enroot) or venv
+    venv: str
+    cluster_checkpoints: str
+    compile_cache: str
+    output: Path
+    namespace: str
+    pvc: str
+    spec: RunSpec
+    partition: str | None = None
+    account: str | None = None
+    time_limit: str | None = None
+    job_name: str | None = None
+    hf_env: dict | None = None
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    """What `make launch-slurm` / `launch-eks` (and the rehearsal's two nodes) ask for. Fields with help
+    are the `launch` stage's flags (pipeline.flags); TrainSettings' flag fields come in `flags`, as for
+    `train`: the cluster's run.json is train's dry run."""
+
+    scheduler: str = flag(None, "slurm (an sbatch script) or eks (Kubernetes manifests)", required=True,
+                          choices=("slurm", "eks"))
+    nodes: int = flag(None, "number of nodes", required=True)
+    model: str = flag(None, "Hub id, local HF directory, or tiny / tiny-moe", required=True)
+    path: str = flag("native", "training path")
+    config: Path | None = flag(None, "your config file, layered over configs/<target>.toml key by key")
+    revision: str | None = flag(None, "the Hub revision the run must start from (as downloaded)")
+    titan_args: tuple[str, ...] = flag((), "torchtitan flags over the built config, as train's", words=True)
+    dry_run: bool = flag(False, "print the run.json and the files, write nothing")
+    fresh: bool = flag(False, "refused: see plan()", hidden=True)
+    target: str = flag("trn2", "trn2 nodes; cpu renders the same files for CPU machines (the rehearsal runs them)",
+                       choices=tuple(LAUNCH_ENV))
+    image: str | None = flag(None, "image reference the cluster can pull (default: the lock-derived tag)")
+    runtime: str = flag("pyxis", "slurm: run in the image via pyxis/enroot, or in a venv on the shared filesystem",
+                        choices=("pyxis", "venv"))
+    venv: str | None = flag(None, "slurm --runtime venv: the venv (default: this repo's .venv)")
+    cluster_checkpoints: str | None = flag(None, "checkpoints directory as the nodes see it (default: "
+                                           "/fsx/checkpoints for slurm, the image's for eks)")
+    compile_cache: str | None = flag(None, "persistent Neuron compile cache on shared storage")
+    namespace: str = flag("default", "eks: the namespace")
+    pvc: str = flag("fsx-claim", "eks: PersistentVolumeClaim holding the checkpoints")
+    output: Path | None = flag(None, "where to write (default: checkpoints/<key>/launch/<scheduler>-<N>)")
+    run_dir: str | None = flag(None, "the run's directory as the nodes see it (default: <cluster checkpoints>/<key>/"
+                               "runs/<path>)")
+    partition: str | None = flag(None, "slurm: sbatch --partition (default: the cluster's default partition)")
+    account: str | None = flag(None, "slurm: sbatch --account")
+    time_limit: str | None = flag(None, "slurm: sbatch --time, e.g. 04:00:00 (default: the partition's limit)")
+    job_name: str | None = flag(None, "sbatch --job-name / the Job's name (default: qwen3-<model key>-<path>)")
+    flags: dict = field(default_factory=dict)  # TrainSettings fields given on the command line (STEPS=…)
+    local_image_ok: bool = False  # the rehearsal runs the pods' command here: no image is pulled
+
+
+def plan(request: LaunchRequest) -> LaunchPlan:
+    if request.nodes < 1:
+        raise PipelineError(f"NODES={request.nodes} must be at least 1.", "give NODES ≥ 1.")
+    if request.fresh:
+        raise PipelineError("FRESH=1 with a cluster launch would discard the run's checkpoints on every requeue.",
+                            "delete <run dir>/checkpoint on the shared filesystem before submitting instead.")
+    default_ckpt = "/fsx/checkpoints" if request.scheduler == "slurm" else IMAGE.checkpoints
+    cluster_ckpt = request.cluster_checkpoints or default_ckpt
+    if not cluster_ckpt.startswith("/"):
+        raise PipelineError(f"--cluster-checkpoints {cluster_ckpt!r} is not absolute.", "give an absolute path.")
+    for given, value in (("--run-dir", request.run_dir), ("--output", request.output), ("--cluster-checkpoints", cluster_ckpt),
+                        ("--compile-cache", request.compile_cache), ("--venv", request.venv), ("--image", request.image)):
+        if value is not None and any(ord(c) < 32 or ord(c) == 127 for c in str(value)):
+            # A newline would end the script's line (or its heredoc) and start one of its own.
+            raise PipelineError(f"{given} {str(value)!r} holds a control character (a newline?).",
+                                "give it without newlines or other control characters.")
+    # The trn2 run with the paths the nodes see; TP/FSDP checked against the multi-node world.
+    spec = resolve(RunRequest(model=request.model, path=request.path, target=request.target,
+                              flags={**request.flags, "nnodes": request.nodes}, config=request.config,
+                              revision=request.revision, titan_args=request.titan_args,
+                              dry_run=True, checkpoints_root=Path(cluster_ckpt),
+                              run_dir=Path(request.run_dir) if request.run_dir else None))
+    cluster_home = store.home(request.model, Path(cluster_ckpt))
+    if cluster_home.source.kind == "hub":
+        # The nodes read the Hub snapshot through <key>/source, the link `make download` leaves under the
+        # shared root (this host's HF cache path would mean nothing on them).
+        spec.source_dir = str(cluster_home.local_source)
+    output = request.output or store.home(request.model).launch / f"{request.scheduler}-{request.nodes}"
+    needs_image = request.scheduler == "eks" or request.runtime == "pyxis"
+    image = cluster_image(request.image, needs_image and not request.local_image_ok)
+    return LaunchPlan(
+        scheduler=request.scheduler, nodes=request.nodes, image=image, runtime=request.runtime,
+        venv=request.venv or str(store.REPO / ".venv"), cluster_checkpoints=cluster_ckpt,
+        compile_cache=request.compile_cache or f"{cluster_ckpt}/.neuron-compile-cache", output=Path(output),
+        namespace=request.namespace, pvc=request.pvc, spec=spec, partition=request.partition,
+        account=request.account, time_limit=request.time_limit,
+        job_name=request.job_name, hf_env=hf_environment(os.environ))
+
+
+def cluster_image(given: str | None, required: bool) -> str:
+    """The image the nodes pull: pinned by digest, from a registry. Default: what `make push` pushed
+    of this lock's image. A local tag would be looked up on Docker Hub by pyxis/kubelet: refused."""
+    local = default_tag()
+    image = given or pushed.reference(local) or local
+    if required and not pushed.is_pinned(image):
+        recorded = pushed.reference(image)
+        if recorded:  # IMAGE=<the local tag> that was pushed: use its pushed digest
+            return recorded
+        raise PipelineError(f"image {image!r} is not a registry reference pinned by digest (the nodes cannot pull "
+                            "a local tag): push first.",
+                            "run `make push REGISTRY=<registry>/<repo>` (launch then uses the pushed digest), or give "
+                            "IMAGE=<registry>/<repo>@sha256:<digest>.")
+    return image
+
+
+def hf_environment(environ) -> dict:
+    return {k: environ[k] for k in HF_PASSED if environ.get(k)}
+
+
+def node_command(spec: RunSpec, python: str, run_json: str) -> str:
+    """train's torchrun command for one node, as shell words: the ${VAR}s torchrun.NODE_EXPANSIONS
+    names stay for the node's shell to expand, everything else (paths with `$(…)`, quotes, spaces)
+    is single-quoted data."""
+    command = torchrun.command(spec, python=python, run_json=run_json)
+    return " ".join(shell_word(part) for part in command)
+
+
+_EXPANSION = re.compile("(" + "|".join(re.escape(e) for e in torchrun.NODE_EXPANSIONS) + ")")
+
+
+def shell_word(part: str) -> str:
+    """One shell word: the launcher's own expansions double-quoted, every other piece shlex-quoted."""
+    pieces = [p for p in _EXPANSION.split(part) if p]
+    literals = [p for p in pieces if p not in torchrun.NODE_EXPANSIONS]
+    if len(literals) == len(pieces):
+        return shlex.quote(part)
+    if all(shlex.quote(p) == p for p in literals):  # nothing in it the shell would read: one readable word
+        return f'"{part}"'
+    return "".join(f'"{p}"' if p in torchrun.NODE_EXPANSIONS else shlex.quote(p) for p in pieces)
+
+
+def _env_lines(plan_: LaunchPlan) -> dict:
+    target = plan_.spec.target
+    cache = {targets.NEFF_CACHE_ENV: plan_.compile_cache} if target == "trn2" else {}
+    # The target's run-size-dependent variables as `train` sets them (the nodes' memory assumed this host's).
+    sized = targets.TARGETS[target].launch_vars({}, host_need(plan_.spec))
+    return {**sized, **LAUNCH_ENV[target], **cache, **(plan_.hf_env or {}),
+            envvars.CHECKPOINTS: plan_.cluster_checkpoints, "PYTHONUNBUFFERED": "1"}
+
+
+def sbatch_options(plan_: LaunchPlan) -> list[str]:
+    """The #SBATCH lines: the job's name, size, where it may run and for how long, and its log per job."""
+    spec = plan_.spec
+    # Requeue (after a node failure, a preemption, `scontrol requeue`) resumes from the last complete
+    # checkpoint only when the run writes checkpoints; without them a requeue would start over.
+    resumable = spec.settings.checkpoint_interval > 0
+    options = [f"--job-name={plan_.job_name or f'qwen3-{spec.model_key}-{spec.path}'}",
+               f"--nodes={plan_.nodes}", "--ntasks-per-node=1", "--exclusive",
+               f"--output={plan_.output}/slurm-%j.out", "--requeue" if resumable else "--no-requeue"]
+    for sbatch_option, value in (("partition", plan_.partition), ("account", plan_.account), ("time", plan_.time_limit)):
+        if value:
+            options.append(f"--{sbatch_option}={value}")
+    return [f"#SBATCH {shlex.quote(option)}" for option in options]
+
+
+def render_slurm(plan_: LaunchPlan) -> dict[str, str]:
+    spec = plan_.spec
+    run_json = str(plan_.output / rundir.RUN_JSON)
+    if plan_.runtime == "pyxis":
+        mounts = ",".join(sorted({f"{plan_.cluster_checkpoints}:{plan_.cluster_checkpoints}",
+                                  f"{plan_.compile_cache}:{plan_.compile_cache}", f"{plan_.output}:{plan_.output}"}))
+        runtime = (f"--container-image={shlex.quote(plan_.image)} --container-mounts={shlex.quote(mounts)} "
+                   f"--container-workdir={IMAGE.workdir} --no-container-entrypoint ")
+        python, workdir = IMAGE.python, IMAGE.workdir
+    else:
+        runtime, python, workdir = "", f"{plan_.venv}/bin/python", str(store.REPO)
+    exports = "\n".join(f"export {k}={shlex.quote(v)}" for k, v in _env_lines(plan_).items())
+    options = "\n".join(sbatch_options(plan_))
+    script = f"""#!/bin/bash
+# Rendered by `python -m pipeline launch --scheduler slurm` for {spec.model_key} ({spec.path} path).
+# One task per node; torchrun on each starts {spec.settings.nproc_per_node} ranks and meets the others through
+# c10d rendezvous on the first node. Submit with: sbatch {plan_.output / "train.sbatch"}
+# HF_TOKEN, when the run needs one, comes from the submitting shell's environment (sbatch exports it);
+# it is never written here.
+{options}
+set -euo pipefail
+
+{exports}
+# The first node's address as Slurm knows it (NodeAddr; its hostname where NodeAddr is unset).
+MASTER_NODE="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+MASTER_ADDR="$(scontrol show node "$MASTER_NODE" -o | sed -n 's/.* NodeAddr=\\([^ ]*\\).*/\\1/p')"
+export MASTER_ADDR="${{MASTER_ADDR:-$MASTER_NODE}}"
+export MASTER_PORT="${{MASTER_PORT:-{RDZV_PORT}}}"
+export RDZV_ID="$SLURM_JOB_ID"
+{f'mkdir -p "${targets.NEFF_CACHE_ENV}"' if spec.target == "trn2" else ""}
+
+# Quoted heredoc: ${{MASTER_ADDR}} and friends expand on each node, not here.
+NODE_CMD="$(cat <<'NODE'
+cd {shlex.quote(workdir)} && exec {node_command(spec, python, run_json)}
+NODE
+)"
+srun --kill-on-bad-exit=1 --ntasks-per-node=1 {runtime}bash -c "$NODE_CMD"
+"""
+    return {"train.sbatch": script, rundir.RUN_JSON: spec.to_json()}
+
+
+def render_eks(plan_: LaunchPlan) -> dict[str, str]:
+    import yaml
+
+    spec = plan_.spec
+    name = f"qwen3-{spec.model_key.lower()}-{spec.path}".replace("_", "-").replace(".", "-")[:50].strip("-")
+    labels = {"app.kubernetes.io/name": name}
+    env = {**_env_lines(plan_), "MASTER_ADDR": f"{name}-0.{name}", "MASTER_PORT": str(RDZV_PORT), "RDZV_ID": name}
+    # HF_TOKEN from a Secret (never in the manifest); optional: public models need none.
+    token = {"name": envvars.HF_TOKEN, "valueFrom": {"secretKeyRef": {"name": HF_TOKEN_SECRET, "key": "token",
+                                                                 "optional": True}}}
+    resources = {"aws.amazon.com/neuron": targets.TRN2.chips, "vpc.amazonaws.com/efa": targets.TRN2.efa_devices}
+    config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{name}-run", "labels": labels},
+                  "data": {rundir.RUN_JSON: spec.to_json()}}
+    # Headless, and publishing not-ready pods: every pod must resolve <name>-0 before any is ready.
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "labels": labels},
+               "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": labels,
+                        "ports": [{"name": "rendezvous", "port": RDZV_PORT}]}}
+    container = {
+        "name": "trainer", "image": plan_.image, "workingDir": IMAGE.workdir,
+        "command": ["bash", "-c", node_command(spec, IMAGE.python, RUN_JSON_IN_POD)],
+        "env": [{"name": k, "value": v} for k, v in env.items()] + [token],
+        "resources": {"requests": dict(resources), "limits": dict(resources)},
+        "securityContext": {"capabilities": {"add": ["IPC_LOCK"]}},  # EFA pins memory
+        "volumeMounts": [{"name": "checkpoints", "mountPath": plan_.cluster_checkpoints},
+                         {"name": "run", "mountPath": str(Path(RUN_JSON_IN_POD).parent)},
+                         {"name": "shm", "mountPath": "/dev/shm"}],
+    }
+    job = {
+        "apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name, "labels": labels},
+        "spec": {
+            # A failed trainer restarts in its pod (OnFailure: same pod, same DNS name for the rendezvous) and
+            # resumes from the run's last complete checkpoint on the shared volume, up to backoffLimit times.
+            "completionMode": "Indexed", "completions": plan_.nodes, "parallelism": plan_.nodes,
+            "backoffLimit": RESTARTS_PER_NODE * plan_.nodes,
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {
+                    "subdomain": name, "restartPolicy": "OnFailure",
+                    "nodeSelector": {"node.kubernetes.io/instance-type": "trn2.48xlarge"},
+                    "affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+                        {"labelSelector": {"matchLabels": labels}, "topologyKey": "kubernetes.io/hostname"}]}},
+                    "containers": [container],
+                    "volumes": [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": plan_.pvc}},
+                                {"name": "run", "configMap": {"name": f"{name}-run"}},
+                                {"name": "shm", "emptyDir": {"medium": "Memory"}}],
+                },
+            },
+        },
+    }
+    if spec.target != "trn2":  # CPU nodes (the rehearsal): no Neuron devices, EFA or trn2 instance type
+        del container["resources"], container["securityContext"], job["spec"]["template"]["spec"]["nodeSelector"]
+    for doc in (config_map, service, job):
+        doc["metadata"]["namespace"] = plan_.namespace
+    text = "# Rendered by `python -m pipeline launch --scheduler eks`. Apply: kubectl apply -f job.yaml\n"
+    stage = staging_job(plan_, name, labels, token)
+    stage_text = ("# Stages the model and the training data on the shared volume before job.yaml runs:\n"
+                  "#   kubectl apply -f stage.yaml && kubectl wait --for=condition=complete job/" + name + "-stage\n")
+    return {"job.yaml": text + yaml.safe_dump_all([config_map, service, job], sort_keys=False),
+            "stage.yaml": stage_text + yaml.safe_dump(stage, sort_keys=False)}
+
+
+def staging_job(plan_: LaunchPlan, name: str, labels: dict, token: dict) -> dict:
+    """One pod that runs `download` and `data` in the image onto the shared volume: what the nodes read."""
+    spec = plan_.spec
+    steps = [[IMAGE.python, "-m", "pipeline", "download", "--model", spec.model],
+             [IMAGE.python, "-m", "pipeline", "data", "--model", spec.model]]
+    # The Hub cache on the volume unless HF_HOME says otherwise: the image's own /hf-cache dies with the pod.
+    env = {envvars.CHECKPOINTS: plan_.cluster_checkpoints, "PYTHONUNBUFFERED": "1",
+           "HF_HOME": f"{plan_.cluster_checkpoints}/.hf-home", **(plan_.hf_env or {})}
+    container = {"name": "stage", "image": plan_.image, "workingDir": IMAGE.workdir,
+                 "command": ["bash", "-c", " && ".join(shlex.join(step) for step in steps)],
+                 "env": [{"name": k, "value": v} for k, v in env.items()] + [token],
+                 "volumeMounts": [{"name": "checkpoints", "mountPath": plan_.cluster_checkpoints}]}
+    return {"apiVersion": "batch/v1", "kind": "Job",
+            "metadata": {"name": f"{name}-stage", "labels": labels, "namespace": plan_.namespace},
+            "spec": {"backoffLimit": 2, "template": {"metadata": {"labels": labels}, "spec": {
+                "restartPolicy": "OnFailure", "containers": [container],
+                "volumes": [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": plan_.pvc}}]}}}}
+
+
+
+
+def render(plan_: LaunchPlan) -> dict[str, str]:
+    return render_slurm(plan_) if plan_.scheduler == "slurm" else render_eks(plan_)
+
+
+def write(plan_: LaunchPlan, rendered: dict[str, str]) -> dict[str, Path]:
+    """Each rendered file under the plan's output, atomically (the sbatch script executable)."""
+    plan_.output.mkdir(parents=True, exist_ok=True)
+    written = {}
+    for name, text in rendered.items():
+        path = plan_.output / name
+        atomic_write_text(path, text)
+        if name.endswith(".sbatch"):
+            path.chmod(0o755)
+        written[name] = path
+        print(f"wrote {path}")
+    return written
