@@ -40,8 +40,7 @@ DRY_RUN|0|1: resolve and print the run and its torchrun command, launch nothing
 RUN_NAME|TRAIN_PATH|the run's name: its folder checkpoints/<key>/runs/<name>; a re-run continues it only with the same settings
 FRESH|0|1: discard the run (its checkpoints, metrics, export and verify results) and start it again
 FORCE|0|1: replace an existing download or export
-DTYPE|$(DTYPE)|export dtype: bfloat16 or float32
-MAX_SHARD_SIZE|5GB|largest export shard
+DTYPE|$(DTYPE)|bfloat16 or float32: the dtype a run's last step saves its model in (train, given) and the export's (narrower is a cast)
 ADAPTER|0|export: 1 writes a LoRA run's adapters alone, in PEFT's layout, to <run dir>/export-adapter
 CHECKPOINT||verify-checkpoint: an HF directory to verify (with REFERENCE)
 REFERENCE||verify-checkpoint: the checkpoint it must match
@@ -110,7 +109,7 @@ CHECKPOINTS_SH := root="$${PIPELINE_CHECKPOINTS:-checkpoints}"; test ! -d "$$roo
 TRAIN_FLAGS = --model $(call q,$(MODEL)) $(if $(TARGET),--target $(call q,$(TARGET))) $(if $(STEPS),--steps $(call q,$(STEPS))) \
               $(if $(SEQ_LEN),--seq-len $(call q,$(SEQ_LEN))) $(if $(NPROC),--nproc-per-node $(call q,$(NPROC))) \
               $(if $(CONFIG),--config $(call q,$(CONFIG))) $(if $(DATASET),--dataset $(call q,$(DATASET))) \
-              $(if $(REVISION),--revision $(call q,$(REVISION))) $(if $(TITAN_ARGS),--titan-args=$(call q,$(TITAN_ARGS))) \
+              $(if $(REVISION),--revision $(call q,$(REVISION))) $(if $(filter-out default file,$(origin DTYPE)),--export-dtype $(call q,$(DTYPE))) $(if $(TITAN_ARGS),--titan-args=$(call q,$(TITAN_ARGS))) \
               $(if $(call on,DRY_RUN),--dry-run) $(if $(call on,FRESH),--fresh) $(if $(RUN_NAME),--name $(call q,$(RUN_NAME)))
 HOST_PIPE := $(PY) -m pipeline
 # IN_CONTAINER=1: every stage runs inside the image (IMAGE, default the lock-derived tag) through
@@ -165,7 +164,7 @@ train-%: setup $(TRAIN_DEPS)
 
 export: setup ## HF safetensors of a run's last checkpoint: <run dir>/export
 	$(PIPE) export --model $(call q,$(MODEL)) --path $(call q,$(TRAIN_PATH)) $(if $(RUN_NAME),--name $(call q,$(RUN_NAME))) --dtype $(call q,$(DTYPE)) $(if $(call on,FORCE),--force) \
-	  $(if $(MAX_SHARD_SIZE),--max-shard-size $(call q,$(MAX_SHARD_SIZE))) $(if $(call on,ADAPTER),--adapter)
+	  $(if $(call on,ADAPTER),--adapter)
 
 verify-checkpoint: setup ## reload an export: zero missing keys, tensors, step-1 loss → verify.json
 	$(PIPE) verify $(if $(CHECKPOINT),--checkpoint $(call q,$(CHECKPOINT)) --reference $(call q,$(REFERENCE)),--model $(call q,$(MODEL)) --path $(call q,$(TRAIN_PATH)) $(if $(RUN_NAME),--name $(call q,$(RUN_NAME))))
@@ -209,7 +208,7 @@ rehearse: setup download data ## trn2.toml's parallel plan on CPU ranks (hf, nat
 # Chat fine-tuning in one command: train the run, export it, verify the export.
 define FINETUNE
 $(PIPE) train --path $(call q,$(TRAIN_PATH)) $(TRAIN_FLAGS)
-$(if $(call on,DRY_RUN),,$(PIPE) export --model $(call q,$(MODEL)) --path $(call q,$(TRAIN_PATH)) --name $(call q,$(RUN_NAME)) --dtype float32 --force)
+$(if $(call on,DRY_RUN),,$(PIPE) export --model $(call q,$(MODEL)) --path $(call q,$(TRAIN_PATH)) --name $(call q,$(RUN_NAME)) --dtype $(call q,$(DTYPE)) --force)
 $(if $(call on,DRY_RUN),,$(PIPE) verify --model $(call q,$(MODEL)) --path $(call q,$(TRAIN_PATH)) --name $(call q,$(RUN_NAME)))
 endef
 # A second `make sft` with the same settings finds the run finished (more STEPS continues it; FRESH=1 starts again).
@@ -227,7 +226,7 @@ lora: setup $(TRAIN_DEPS) ## LoRA fine-tuning on chat data (configs/finetune/lor
 pipeline: setup ## the whole pipeline: every path (PATHS, default the registry's) of every model (MODELS, default the embedded tiny and tiny-moe): train, export, verify, report
 	set -e; for m in $(foreach m,$(or $(MODELS),$(EMBEDDED_MODELS)),$(call q,$(m))); do \
 	  for p in $(if $(PATHS),$(foreach p,$(PATHS),$(call q,$(p))),$$($(PY) -m pipeline paths)); do \
-	    $(MAKE) --no-print-directory "train-$$p" MODEL="$$m" FRESH=1; \
+	    $(MAKE) --no-print-directory "train-$$p" MODEL="$$m" FRESH=1 $(if $(MODELS),,DTYPE=float32); \
 	    $(MAKE) --no-print-directory export verify-checkpoint MODEL="$$m" TRAIN_PATH="$$p" FORCE=1 $(if $(MODELS),,DTYPE=float32); \
 	  done; \
 	  $(MAKE) --no-print-directory report MODEL="$$m"; \

@@ -1,7 +1,7 @@
 """In-process timings for `make bench`: each measured call runs after its process has imported what
 it needs, so neither side of a ratio pays interpreter start-up or imports. Prints one JSON line.
 
-  inproc.py export <model> <path> <dtype> <max shard size>
+  inproc.py export <model> <path> <dtype>
       the export stage's export() (forced), then shutil.copyfile of the same shard bytes (what
       `cp` does) into a scratch directory beside it, in the same process
   inproc.py verify <model> <path>
@@ -31,7 +31,7 @@ def rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def export(model: str, path: str, dtype: str, max_shard_size: str) -> dict:
+def export(model: str, path: str, dtype: str) -> dict:
     import huggingface_hub  # noqa: F401 - imported before timing, as the stage imports it lazily
     import torch  # noqa: F401
     import transformers  # noqa: F401
@@ -47,7 +47,7 @@ def export(model: str, path: str, dtype: str, max_shard_size: str) -> dict:
     # the backlog, whoever left it.
     os.sync()
     start = time.perf_counter()
-    target = stage.export(stage.ExportConfig(run=run, dtype=dtype, max_shard_size=max_shard_size, force=True))
+    target = stage.export(stage.ExportConfig(run=run, dtype=dtype, force=True))
     export_s = time.perf_counter() - start
     after = rss_gib()
     shards = sorted(target.glob("*.safetensors"))

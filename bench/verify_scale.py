@@ -4,9 +4,9 @@
     .venv/bin/python bench/verify_scale.py <work dir> [distinct batches] [copies each] [seq_len]
 
 No training: the run dir is made from the resolved run (dry run) of the Hub-shaped checkpoint
-(bench/hub_shaped.py), its "saved weights" are the source converted by torchtitan's state-dict
-adapter with every norm weight nudged (so the export differs from the source and verify computes
-the source's loss, as after real training), and first_batch/ holds `distinct` batches of `seq_len`
+(bench/hub_shaped.py), its "HF save" (step-N/hf) is the source in bfloat16 with every norm weight
+nudged (so the export differs from the source and verify computes the source's loss, as after real
+training), and first_batch/ holds `distinct` batches of `seq_len`
 tokens of the held-out corpus, each recorded `copies` times (TP 4 on trn2: 16 distinct, 4 copies).
 Two verifies run: the first path of the model (export's loss and the source's), then a second path
 with the same batches (the source's loss read from runs/.reference_loss.json). Prints JSON: the
@@ -31,8 +31,7 @@ def make_run(root: Path, source: Path, path: str, distinct: int, copies: int, se
     from safetensors.torch import load_file, save_file
 
     from pipeline.checkpoint import corpus, hf_dir
-    from pipeline.models import registry
-    from pipeline.run import store
+    from pipeline.run import rundir, store
     from pipeline.training.resolve import RunRequest, resolve
 
     spec = resolve(RunRequest(model=str(source), path=path, dry_run=True,
@@ -43,25 +42,16 @@ def make_run(root: Path, source: Path, path: str, distinct: int, copies: int, se
     run.path.mkdir(parents=True)
     spec.run_dir = str(run.path)
     run.save_spec(spec)
-    hf = {}
-    for shard in hf_dir.shard_files(Path(spec.source_dir)):
-        hf |= load_file(str(shard))
-    model_spec = registry.get(spec.path).build(spec)
-    titan = model_spec.state_dict_adapter(model_spec.model, None).from_hf({k: v.float() for k, v in hf.items()})
-    del hf
-    seen = set()
-    for key in list(titan):  # a tied lm_head is the embedding: the run writes it once (trainer._aliases)
-        if titan[key].data_ptr() in seen:
-            del titan[key]
-            continue
-        seen.add(titan[key].data_ptr())
-        if key.endswith("norm.weight"):
-            titan[key] = titan[key] * 1.01
     step_dir = run.step_dir(step)
-    step_dir.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in titan.items()}, str(step_dir / "model_weights.safetensors"))
+    (step_dir / rundir.HF_WEIGHTS).mkdir(parents=True)
+    for shard in hf_dir.shard_files(Path(spec.source_dir)):
+        hf = {k: (v * 1.01 if k.endswith("norm.weight") else v).to(torch.bfloat16) for k, v in load_file(str(shard)).items()}
+        save_file(hf, str(step_dir / rundir.HF_WEIGHTS / shard.name), metadata={"format": "pt"})
+        del hf
+    if (Path(spec.source_dir) / hf_dir.INDEX).exists():
+        shutil.copy(Path(spec.source_dir) / hf_dir.INDEX, step_dir / rundir.HF_WEIGHTS / hf_dir.INDEX)
     (step_dir / ".metadata").write_bytes(b"")  # DCP's completion marker; its content is never read
-    del titan
+    (step_dir / "__0_0.distcp").write_bytes(b"")  # its one rank's shard: a complete step
     import transformers
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(spec.source_dir)

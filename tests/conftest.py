@@ -37,14 +37,15 @@ def tiny_root(checkpoints, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def export_runs(checkpoints, tmp_path_factory) -> Path:
     """A checkpoints root of its own (the shared one's source/ and data/ linked in) with, per model,
-    a native run that ran STEPS=0 and then resumed to STEPS=2: its checkpoint/ keeps step-0 and step-2."""
+    a native run that ran STEPS=0 and then resumed to STEPS=2: its checkpoint/ keeps step-0 and step-2, each
+    with its model saved in float32 (step-N/hf), so that exports compare exactly and bfloat16 ones are casts."""
     root = tmp_path_factory.getbasetemp() / "export-runs"
     shutil.rmtree(root, ignore_errors=True)
     for model in EXPORT_MODELS:
         copy_model(checkpoints, root, model, link=True)
         for steps in ("0", str(TRAINED_STEPS)):
             run_pipeline("train", "--model", model, "--path", "native", "--steps", steps,
-                         "--nproc-per-node", EXPORT_NPROC[model], root=root)
+                         "--nproc-per-node", EXPORT_NPROC[model], "--export-dtype", "float32", root=root)
     return root
 
 

@@ -101,7 +101,7 @@ EXPORT_NPROC = {"tiny": "2", "tiny-moe": "1"}
 TRAINED_STEPS = 2
 
 
-WEIGHTS = "model_weights.safetensors"  # what the trainer writes beside each DCP step
+HF_WEIGHTS = "hf"  # the folder a run's last step saves its model in, HF safetensors, beside DCP's files
 
 
 DCP_METADATA = ".metadata"  # DCP renames it into place last: the step's save finished
@@ -119,7 +119,7 @@ def tensors(directory: Path) -> dict:
 
 
 def fake_run(runs: Path, tmp_path: Path, model: str = "tiny", step: int = 0, source: Path | None = None) -> Path:
-    """A run dir with a real run's run.json and one checkpoint's weights file, for editing."""
+    """A run dir with a real run's run.json and one checkpoint's HF save (step-N/hf), for editing."""
     src = run_dir(runs, model, "native")
     run = tmp_path / "run"
     run.mkdir()
@@ -129,7 +129,7 @@ def fake_run(runs: Path, tmp_path: Path, model: str = "tiny", step: int = 0, sou
         spec["source_dir"] = str(source)
     (run / "run.json").write_text(json.dumps(spec))
     (run / "checkpoint" / f"step-{step}").mkdir(parents=True)
-    shutil.copy(src / "checkpoint" / f"step-{step}" / WEIGHTS, weights_path(run, step))
+    shutil.copytree(src / "checkpoint" / f"step-{step}" / HF_WEIGHTS, weights_path(run, step))
     # DCP's marker of a finished save, which export requires beside the weights (its content is never read)
     shutil.copy(src / "checkpoint" / f"step-{step}" / DCP_METADATA, run / "checkpoint" / f"step-{step}" / DCP_METADATA)
     plant_dcp_shards(src / "checkpoint" / f"step-{step}", run / "checkpoint" / f"step-{step}")
@@ -144,7 +144,14 @@ def plant_dcp_shards(trained_step: Path, step: Path) -> None:
 
 
 def weights_path(run: Path, step: int = 0) -> Path:
-    return run / "checkpoint" / f"step-{step}" / WEIGHTS
+    """A run step's HF save: its folder (the shards are `hf_shard(run, step)`)."""
+    return run / "checkpoint" / f"step-{step}" / HF_WEIGHTS
+
+
+def hf_shard(run: Path, step: int = 0, key: str = "model.norm.weight") -> Path:
+    """The shard of a run step's HF save that holds `key`."""
+    index = json.loads((weights_path(run, step) / "model.safetensors.index.json").read_text())
+    return weights_path(run, step) / index["weight_map"][key]
 
 
 def tied_source_with_lm_head(runs: Path, tmp_path: Path) -> Path:
@@ -177,9 +184,10 @@ def dry_run_spec(stdout: str) -> dict:
 
 
 def plant_incomplete_step(run_dir: Path, step: int) -> Path:
-    """What a kill during a save leaves: DCP shard files, no .metadata, no weights file."""
+    """What a kill during a save leaves: DCP shard files, no .metadata, no HF save (its temporary folder)."""
     directory = run_dir / "checkpoint" / f"step-{step}"
     directory.mkdir(parents=True)
     (directory / "__0_0.distcp").write_bytes(b"\0" * 4096)
-    (directory / f".{rundir.WEIGHTS}.tmp").write_bytes(b"\0" * 64)
+    (directory / f".{rundir.HF_WEIGHTS}.tmp").mkdir()
+    (directory / f".{rundir.HF_WEIGHTS}.tmp" / "model-00001-of-00001.safetensors").write_bytes(b"\0" * 64)
     return directory

@@ -1,25 +1,25 @@
 """A run's last complete checkpoint as a Hugging Face checkpoint, <run dir>/export/.
 
-Reads only the safetensors weights copy beside the run's last DCP step (DCP's .metadata is a
-pickle and is never read), converts keys with the run's own state-dict adapter, writes shards,
-config.json (transformers' current form), the tokenizer files and manifest.json (last) into a
-temporary sibling, renamed into place only when complete. See docs/design.md for the tied
-lm_head rule.
-
-Tensors stream through: the whole conversion is planned on meta tensors from the file's header
-(keys, shapes, shards, all checked against the source before any data is read), then each
-tensor is read, checked, converted, cast and written on its own, and each shard is hashed as it
-is written. Peak memory is about the largest tensor, whatever the model's size.
+The trainer already wrote the model of a run's last step in HF safetensors, through torchtitan's own
+HF writer (step-N/hf: the run's state-dict adapter, DCP's HuggingFaceStorageWriter, the source's
+shard layout, the export dtype). Export checks those files against the source checkpoint (keys,
+shapes, finite values: nothing is trusted because of where it lies), links them into a temporary
+sibling (a copy where the filesystem cannot link), adds config.json (transformers' current form),
+the tokenizer files, the model card and manifest.json (last), and renames it into place only when
+complete. Asked for a narrower dtype than the run saved (float32 → bfloat16), it casts tensor by
+tensor instead; never wider (that precision is gone). DCP's .metadata is a pickle and is never read.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline import dtypes
 from pipeline.checkpoint import hf_dir, manifest, stream
 from pipeline.checkpoint.arch import Qwen3Arch, load_arch
 from pipeline.errors import PipelineError
@@ -27,16 +27,14 @@ from pipeline.fsutil import atomic_directory
 from pipeline.models import registry
 from pipeline.run import model_card, rundir
 from pipeline.run.rundir import RunDir
-from pipeline.run.spec import RunSpec
 
-EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+SINGLE_FILE = "model.safetensors"  # save_pretrained's name for an unsharded checkpoint (no index)
 
 
 @dataclass(frozen=True)
 class ExportConfig:
     run: RunDir
     dtype: str = "bfloat16"
-    max_shard_size: str = "5GB"
     step: int | None = None
     force: bool = False
     output: Path | None = None  # default <run dir>/export
@@ -46,113 +44,116 @@ class ExportConfig:
         return Path(self.output) if self.output else self.run.export
 
 
-@dataclass
-class Piece:
-    """One tensor of the export: its HF key, the run's key it comes from, and its shape."""
+@dataclass(frozen=True)
+class SavedModel:
+    """A run step's HF save, checked against its source: its shards (HF's names) and dtype."""
 
-    hf_key: str
-    titan_key: str
-    shape: tuple[int, ...]
+    step: int
+    directory: Path
+    shards: list[Path]
+    tensors: dict[str, hf_dir.TensorInfo]
+    dtype: str  # torch's name
+
+    def names(self) -> dict[Path, str]:
+        """Shard → its name in the export: one shard is save_pretrained's single file, with no index."""
+        if len(self.shards) == 1:
+            return {self.shards[0]: SINGLE_FILE}
+        return {shard: shard.name for shard in self.shards}
 
 
-def plan(weights: Path, spec: RunSpec, source_keys: dict, dtype: str) -> list[Piece]:
-    """Every export tensor, from the weights file's header alone: the run's state-dict adapter
-    (torchtitan's Qwen3StateDictAdapter on native/nki) applied to meta tensors, key by key."""
-    import torch
-
-    # truncation → a clear error before anything is read. A rerun of training rewrites a last step's
-    # missing weights file (titan.trainer.PipelineTrainer.train), not a damaged one: it must go first.
-    header = hf_dir.read_header(weights, f"delete {weights} and rerun the training command; it rewrites the weights "
-                                         "of the run's last step.")
-    model_spec = registry.get(spec.path).build(spec)
-    adapter = model_spec.state_dict_adapter(model_spec.model, None)
-    pieces: list[Piece] = []
-    for titan_key, info in header.items():
-        meta = torch.empty(info.shape, dtype=getattr(torch, dtype), device="meta")
-        for hf_key, value in adapter.to_hf({titan_key: meta}).items():
-            if hf_key == LM_HEAD and spec.arch.tie_word_embeddings:
-                continue  # tied: the embedding is the lm_head (written below when the source has the key)
-            pieces.append(Piece(hf_key, titan_key, tuple(value.shape)))
-            if hf_key == EMBEDDING and spec.arch.tie_word_embeddings and LM_HEAD in source_keys:
-                # The adapter drops a tied lm_head; this source stores it, so the export does too.
-                pieces.append(Piece(LM_HEAD, titan_key, tuple(value.shape)))
-    names = {p.hf_key for p in pieces}
-    missing, extra = sorted(set(source_keys) - names), sorted(names - set(source_keys))
-    if missing or extra or len(names) != len(pieces):
-        raise PipelineError(f"the converted weights do not have the source's keys: missing {missing[:4]}, extra {extra[:4]}.",
+def saved_model(run: RunDir, step: int | None, source_tensors: dict[str, hf_dir.TensorInfo]) -> SavedModel:
+    """The HF save of `step` (default: the last exportable), with the source's keys and shapes and one dtype."""
+    step, directory = run.hf_weights(step)
+    fix = (f"delete {directory} and rerun the training command; it resumes at step {step} and saves the model again.")
+    try:
+        shards = hf_dir.shard_files(directory)
+        saved = hf_dir.read_tensors(directory)
+    except PipelineError as err:
+        raise PipelineError(f"step {step}'s HF save is damaged: {err.problem}", fix) from err
+    missing, extra = sorted(set(source_tensors) - set(saved)), sorted(set(saved) - set(source_tensors))
+    if missing or extra:
+        raise PipelineError(f"{directory} does not have the source's keys: missing {missing[:4]}, extra {extra[:4]}.",
                             "export a run trained from this source checkpoint (run.json source_dir).")
-    for piece in pieces:
-        if piece.shape != source_keys[piece.hf_key].shape:
-            raise PipelineError(f"{weights}: {piece.hf_key} has shape {piece.shape}, the source "
-                                f"{source_keys[piece.hf_key].shape}.", "export a run trained from this source checkpoint.")
-    return pieces
+    for key, info in saved.items():
+        if info.shape != source_tensors[key].shape:
+            raise PipelineError(f"{directory}: {key} has shape {info.shape}, the source {source_tensors[key].shape}.",
+                                "export a run trained from this source checkpoint.")
+    codes = {info.dtype for info in saved.values()}
+    names = {dtypes.SAFETENSORS_NAMES.get(code) for code in codes}
+    if len(names) != 1 or None in names:
+        raise PipelineError(f"{directory} holds tensors of dtypes {sorted(codes)}; the trainer saves one export dtype.", fix)
+    return SavedModel(step, directory, shards, saved, names.pop())
 
 
-class Converter:
-    """Reads one tensor of the run's weights at a time and turns it into its HF pieces (cast to
-    the export dtype); the last tensor's pieces are kept until the next is asked for."""
-
-    def __init__(self, weights: Path, spec: RunSpec, dtype: str, tied_copy: bool):
-        import torch
-
-        from pipeline.checkpoint.stream import SafetensorsReader
-
-        model_spec = registry.get(spec.path).build(spec)
-        self.adapter = model_spec.state_dict_adapter(model_spec.model, None)
-        self.weights, self.dtype, self.torch, self.tied_copy = weights, getattr(torch, dtype), torch, tied_copy
-        self.reader = SafetensorsReader(weights)  # plan() validated the file with safetensors' parser
-        self.current: tuple[str, dict] | None = None
-
-    def get(self, piece: Piece):
-        if self.current is None or self.current[0] != piece.titan_key:
-            self.current = None  # frees the previous tensor before the next is read
-            try:
-                tensor = self.reader.get(piece.titan_key)
-            except (OSError, ValueError) as err:
-                raise PipelineError(f"{self.weights} cannot be read ({err}).",
-                                    f"delete {self.weights} and rerun the training command; it rewrites the weights "
-                                    "of the run's last step.") from err
-            if tensor.is_floating_point() and not stream.finite(tensor):
-                raise PipelineError(f"{self.weights}: tensor {piece.titan_key} holds NaN or Inf; the run diverged.",
-                                    "export an earlier step (--step) or retrain with a lower learning rate.")
-            converted = self.adapter.to_hf({piece.titan_key: tensor})
-            del tensor
-            converted = {k: v.to(self.dtype) for k, v in converted.items()}
-            if self.tied_copy and EMBEDDING in converted:
-                converted[LM_HEAD] = converted[EMBEDDING]
-            self.current = (piece.titan_key, converted)
-        return self.current[1][piece.hf_key]
+def check_dtype(saved: SavedModel, dtype: str) -> None:
+    if dtypes.DTYPES[dtype].bytes > dtypes.DTYPES[saved.dtype].bytes:
+        raise PipelineError(f"step {saved.step} was saved in {saved.dtype} (the run's export_dtype); a {dtype} export "
+                            "would only pad those values.",
+                            f"train with DTYPE={dtype} (--export-dtype {dtype}): the run resumes at step {saved.step} "
+                            "and saves its model again in that dtype; then export.")
 
 
-def write_shards(pieces: list[Piece], convert: Converter, tmp: Path, max_shard_size: str, dtype: str) -> dict[str, str]:
-    """Shards as huggingface_hub splits them, each written tensor by tensor; returns file → sha256."""
-    import torch
-    from huggingface_hub import split_torch_state_dict_into_shards
+def _link(source: Path, target: Path) -> None:
+    """A hard link: the export costs no disk and no copy. Across filesystems, a copy."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)
+
+
+def _checked(reader, key: str, where: Path):
+    try:
+        tensor = reader.get(key)
+    except (OSError, ValueError) as err:
+        raise PipelineError(f"{where} cannot be read ({err}).",
+                            f"delete {where.parent} and rerun the training command; it saves the model again.") from err
+    if tensor.is_floating_point() and not stream.finite(tensor):
+        raise PipelineError(f"{where}: tensor {key} holds NaN or Inf; the run diverged.",
+                            "export an earlier step (--step) or retrain with a lower learning rate.")
+    return tensor
+
+
+def write_shards(saved: SavedModel, tmp: Path, dtype: str) -> dict[str, str]:
+    """Each shard linked (the saved dtype) or cast tensor by tensor (a narrower one), every tensor
+    read and checked finite; returns file → sha256 for the cast ones (written and hashed at once)."""
     from tqdm import tqdm
 
-    from pipeline.checkpoint.stream import Entry, SafetensorsWriter
-
-    by_key = {p.hf_key: p for p in pieces}
-    order = {p.hf_key: i for i, p in enumerate(pieces)}
-    meta = {p.hf_key: torch.empty(p.shape, dtype=getattr(torch, dtype), device="meta") for p in pieces}
-    split = split_torch_state_dict_into_shards(meta, max_shard_size=max_shard_size,
-                                               filename_pattern="model{suffix}.safetensors")
-    total = sum(t.numel() * t.element_size() for t in meta.values())
+    total = sum(shard.stat().st_size for shard in saved.shards)
     hashes = {}
     with tqdm(total=total, unit="B", unit_scale=True, desc="export", disable=total < stream.PROGRESS_MIN_BYTES) as bar:
-        for filename, keys in split.filename_to_tensors.items():
-            # Read in the weights file's order, so each of its tensors is converted once.
-            keys = sorted(keys, key=order.__getitem__)
-            entries = [Entry(k, dtype, by_key[k].shape) for k in keys]
-            with SafetensorsWriter(tmp / filename, entries, metadata={"format": "pt"}, sync=False) as writer:
-                for key in keys:
-                    writer.write(convert.get(by_key[key]))
-                    bar.update(meta[key].numel() * meta[key].element_size())
-                hashes[filename] = writer.close()
-    if split.is_sharded:  # one shard is save_pretrained's single file, model.safetensors, with no index
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(split.tensor_to_filename.items()))}
+        for shard, name in saved.names().items():
+            with stream.SafetensorsReader(shard) as reader:
+                keys = reader.keys()
+                if dtype == saved.dtype:
+                    _link(shard, tmp / name)
+                    for key in keys:
+                        _checked(reader, key, shard)
+                else:
+                    entries = [stream.Entry(k, dtype, saved.tensors[k].shape) for k in keys]
+                    with stream.SafetensorsWriter(tmp / name, entries, metadata={"format": "pt"}, sync=False) as writer:
+                        for key in keys:
+                            writer.write(_checked(reader, key, shard).to(getattr(_torch(), dtype)))
+                        hashes[name] = writer.close()
+            bar.update(shard.stat().st_size)
+    if len(saved.shards) > 1:
+        weight_map = {key: info.shard for key, info in saved.tensors.items()}
+        size = sum(dtypes.DTYPES[dtype].bytes * _numel(info.shape) for info in saved.tensors.values())
+        index = {"metadata": {"total_size": size}, "weight_map": dict(sorted(weight_map.items()))}
         (tmp / hf_dir.INDEX).write_text(json.dumps(index, indent=2) + "\n")
     return hashes
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
 
 
 def write_config(source: Path, tmp: Path, dtype: str, arch: Qwen3Arch) -> None:
@@ -174,28 +175,29 @@ def export(config: ExportConfig) -> Path:
     source = Path(spec.source_dir)
     if config.target.exists() and not config.force:
         raise PipelineError(f"{config.target} already exists.", "pass FORCE=1 (--force) to replace it.")
-    step, weights = config.run.weights_file(config.step)
     source_report = hf_dir.validate(source)
     arch = spec.arch
     if arch != source_report.arch:
         raise PipelineError(f"{source}/config.json no longer matches the architecture the run trained "
                             f"({config.run.run_json}).", "re-download the source checkpoint the run was trained from.")
-    pieces = plan(weights, spec, source_report.tensors, config.dtype)
+    saved = saved_model(config.run, config.step, source_report.tensors)
+    check_dtype(saved, config.dtype)
     with atomic_directory(config.target, replace=config.force) as tmp:
-        convert = Converter(weights, spec, config.dtype, tied_copy=any(p.hf_key == LM_HEAD for p in pieces) and arch.tie_word_embeddings)
-        hashes = write_shards(pieces, convert, tmp, config.max_shard_size, config.dtype)
+        hashes = write_shards(saved, tmp, config.dtype)
         write_config(source, tmp, config.dtype, arch)
         for name in hf_dir.CARRIED_FILES:
             if (source / name).exists():
                 shutil.copy2(source / name, tmp / name)
         hf_dir.validate(tmp)
-        model_card.write(tmp, config.run, step, config.dtype)
+        model_card.write(tmp, config.run, saved.step, config.dtype)
         # Names, never host paths: the directory is shared as a model repository.
-        manifest.write(tmp, {"step": step, "dtype": config.dtype, "model": spec.model, "run": config.run.path.name,
-                             "path": spec.path, "weights": weights.name}, known=hashes)
+        manifest.write(tmp, {"step": saved.step, "dtype": config.dtype, "model": spec.model, "run": config.run.path.name,
+                             "path": spec.path, "weights": f"step-{saved.step}/{rundir.HF_WEIGHTS}",
+                             "saved_dtype": saved.dtype}, known=hashes)
     size = sum(p.stat().st_size for p in config.target.glob("*.safetensors"))
-    print(f"exported step {step} of {config.run.path} → {config.target} ({len(pieces)} tensors, {config.dtype}, "
-          f"{size / 2**20:.1f} MiB, {time.perf_counter() - started:.1f} s)")
+    how = "linked" if config.dtype == saved.dtype else f"cast from {saved.dtype}"
+    print(f"exported step {saved.step} of {config.run.path} → {config.target} ({len(saved.tensors)} tensors, {config.dtype}, "
+          f"{how}, {size / 2**20:.1f} MiB, {time.perf_counter() - started:.1f} s)")
     return config.target
 
 
@@ -216,15 +218,16 @@ def export_adapter(config: ExportConfig) -> Path:
     target = Path(config.output) if config.output else config.run.adapter_export
     if target.exists() and not config.force:
         raise PipelineError(f"{target} already exists.", "pass FORCE=1 (--force) to replace it.")
-    step, weights = config.run.weights_file(config.step)
-    adapters_file = weights.with_name(rundir.ADAPTERS)
+    step, hf = config.run.hf_weights(config.step)
+    adapters_file = hf.parent / rundir.ADAPTERS
     if not adapters_file.is_file():
         raise PipelineError(f"{adapters_file} does not exist: step {step} was saved without its adapters.",
                             "train the run again with FRESH=1 (a run's last step saves them).")
-    header = hf_dir.read_header(weights, f"delete {weights} and rerun the training command.")
-    meta = {key: torch.empty(info.shape, device="meta") for key, info in header.items()}
     model_spec = registry.get(spec.path).build(spec)
     adapter = model_spec.state_dict_adapter(model_spec.model, None)
+    # The run's own keys and shapes: the HF save's headers mapped back by the run's adapter, on meta tensors.
+    saved = hf_dir.read_tensors(hf)
+    meta = adapter.from_hf({key: torch.empty(info.shape, device="meta") for key, info in saved.items()})
     tensors = lora.peft_tensors(load_file(str(adapters_file)), meta,
                                 lambda key: next(iter(adapter.to_hf({key: meta[key]}))), spec.arch.num_key_value_heads)
     modules = sorted({key.split(".lora_")[0].rsplit(".", 1)[1] for key in tensors})

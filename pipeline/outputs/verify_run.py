@@ -1,9 +1,9 @@
 """verify's checks of an export against the run that made it (not only against its manifest):
 
   config   config.json's architecture equals run.json's (rope_theta, shapes, tying, MoE fields)
-  weights  every tensor equals the run's saved weights of the exported step
-           (checkpoint/step-N/model_weights.safetensors, converted by the run's own state-dict
-           adapter and cast to the export dtype exactly as export does), bitwise
+  weights  every tensor equals the model the run saved at the exported step
+           (checkpoint/step-N/hf, torchtitan's HF save, cast to the export dtype exactly as
+           export does), bitwise
 
 manifest.json only proves the files are the ones export wrote; an export edited afterwards with a
 manifest rewritten to match passes it, and these two checks catch it.
@@ -11,7 +11,6 @@ manifest rewritten to match passes it, and these two checks catch it.
 
 from __future__ import annotations
 
-from pathlib import Path
 
 from pipeline.dtypes import DTYPES
 from pipeline.checkpoint import hf_dir
@@ -32,7 +31,7 @@ def check_config(result, report, run_dir: RunDir) -> None:
 
 
 def check_weights(result, report, run_dir: RunDir, step: int | None) -> None:
-    """Every export tensor bitwise equal to the run's saved weights of `step`, converted as export does."""
+    """Every export tensor bitwise equal to the run's HF save of `step`, cast as export does."""
     from pipeline.checkpoint import stream
     from pipeline.outputs import export as export_stage
 
@@ -44,35 +43,35 @@ def check_weights(result, report, run_dir: RunDir, step: int | None) -> None:
     if dtype is None:
         result.add("weights", False, f"export dtypes {sorted(dtypes)}: export writes one of {sorted(EXPORT_DTYPES)}")
         return
-    spec = run_dir.spec()
     try:
-        _, weights = run_dir.weights_file(step)
-        pieces = export_stage.plan(weights, spec, report.tensors, dtype)
+        saved = export_stage.saved_model(run_dir, step, report.tensors)
     except PipelineError as err:
         result.add("weights", False, f"cannot compare with the run's step-{step} weights: {err.problem}")
         return
-    tied_copy = spec.arch.tie_word_embeddings and any(p.hf_key == export_stage.LM_HEAD for p in pieces)
-    convert = export_stage.Converter(weights, spec, dtype, tied_copy)
     readers = {}
-    for shard in hf_dir.shard_files(result.checkpoint):
-        reader = stream.SafetensorsReader(shard)
-        readers |= {key: reader for key in reader.keys()}
+    for shard in [*hf_dir.shard_files(result.checkpoint), *saved.shards]:
+        readers[shard] = stream.SafetensorsReader(shard)
     try:
-        differ = _differing(pieces, readers, convert)
-    except PipelineError as err:
-        result.add("weights", False, f"the run's step-{step} weights: {err.problem}")
+        ours = {key: readers[result.checkpoint / _export_name(saved, info.shard)] for key, info in saved.tensors.items()}
+        theirs = {key: readers[saved.directory / info.shard] for key, info in saved.tensors.items()}
+        differ = _differing(sorted(saved.tensors), ours, theirs, dtype)
+    except (OSError, ValueError, KeyError) as err:
+        result.add("weights", False, f"the run's step-{step} weights: {err}")
         return
     finally:
-        convert.reader.close()
-        for reader in {id(r): r for r in readers.values()}.values():
+        for reader in readers.values():
             reader.close()
     result.add("weights", not differ,
-               f"{len(pieces) - len(differ)}/{len(pieces)} tensors bitwise equal to the run's step-{step} weights "
-               f"({Path(weights).relative_to(run_dir.path)}, converted to {dtype})"
+               f"{len(saved.tensors) - len(differ)}/{len(saved.tensors)} tensors bitwise equal to the run's step-{step} "
+               f"weights ({saved.directory.relative_to(run_dir.path)}, {saved.dtype}, cast to {dtype})"
                + (f"; differ: {differ[:3]}" if differ else ""))
 
 
-def _differing(pieces, readers: dict, convert) -> list[str]:
+def _export_name(saved, shard_name: str) -> str:
+    return saved.names()[saved.directory / shard_name]
+
+
+def _differing(keys: list[str], ours: dict, theirs: dict, dtype: str) -> list[str]:
     import warnings
 
     import torch
@@ -80,9 +79,9 @@ def _differing(pieces, readers: dict, convert) -> list[str]:
     differ = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # torch.from_numpy of a read-only map: only read here
-        for piece in pieces:
-            ours, theirs = readers[piece.hf_key].view(piece.hf_key), convert.get(piece)
-            if ours.shape != theirs.shape or not torch.equal(ours.reshape(-1).view(torch.uint8),
-                                                             theirs.contiguous().reshape(-1).view(torch.uint8)):
-                differ.append(piece.hf_key)
+        for key in keys:
+            mine, saved = ours[key].view(key), theirs[key].view(key).to(getattr(torch, dtype))
+            if mine.shape != saved.shape or not torch.equal(mine.reshape(-1).view(torch.uint8),
+                                                            saved.contiguous().reshape(-1).view(torch.uint8)):
+                differ.append(key)
     return differ

@@ -15,15 +15,17 @@ from pathlib import Path
 from pipeline.errors import PipelineError
 
 GIB = 2**30
-# Bytes a checkpoint save writes per parameter: fp32 weights and AdamW's two fp32 moments in DCP,
-# and the fp32 safetensors copy of the weights at a run's last step.
-SAVE_BYTES_PER_PARAM = 4 * 3 + 4
+# Bytes a checkpoint save writes per parameter: fp32 weights and AdamW's two fp32 moments in DCP; a run's
+# last step adds its model in HF safetensors, in the export dtype.
+DCP_BYTES_PER_PARAM = 4 * 3
 FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
 def save_bytes(spec) -> int:
-    """What one checkpoint save of the run writes (all ranks together)."""
-    return spec.arch.num_params * SAVE_BYTES_PER_PARAM
+    """What the largest checkpoint save of the run (its last step's) writes, all ranks together."""
+    from pipeline.dtypes import DTYPES
+
+    return spec.arch.num_params * (DCP_BYTES_PER_PARAM + DTYPES[spec.settings.export_dtype].bytes)
 
 
 def free_bytes(path: Path) -> int:

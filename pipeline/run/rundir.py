@@ -3,7 +3,7 @@
   run.json               the resolved run (RunSpec)          metrics.jsonl   one JSON object per step
   first_batch/rank*.safetensors   each rank's step-1 batch    timings.json    start-up marks of rank 0
   checkpoint/step-N/     torchtitan DCP (complete once its .metadata and every rank's shard exist: what resume uses);
-                         a run's last step also holds model_weights.safetensors (what export reads)
+                         a run's last step also holds hf/ (its model in HF safetensors: what export links)
   export/                the HF export                        verify.json     verify's result
   logs/, tb/             per-rank logs, TensorBoard events    .lock           held by a live launch or export
   plan/rank*.json        what each rank ran (parallel layout, step 1), when the run records it (rehearse)
@@ -11,7 +11,7 @@
   memory.json            each rank's peak memory against the estimate (pipeline.training.memory)
   ../.reference_loss.json   verify's plain-transformers loss of the source per distinct first batch,
                          beside the runs of every path of the model (runs/), so each is computed once
-  saves.jsonl            one line per checkpoint save: seconds and bytes of DCP and of the weights copy
+  saves.jsonl            one line per checkpoint save: seconds and bytes of DCP and of the HF save
   dcp_digests.json       sha256 of each step's DCP .metadata (a pickle), recorded as the pipeline saves it:
                          a resume loads a step only when its .metadata still matches (check_dcp_metadata)
 """
@@ -35,7 +35,11 @@ CHECKPOINT = "checkpoint"
 # Beside the DCP files of a run's last step (and step 0 of a STEPS=0 run): the model state dict as
 # safetensors (torchtitan keys). DCP's own .metadata is a pickle, and this project never unpickles a
 # checkpoint; export reads this file. It is renamed into place after DCP finished the step.
-WEIGHTS = "model_weights.safetensors"
+# step-N/hf: a run's last step, the model alone in HF safetensors (torchtitan's HF writer, the export dtype),
+# renamed into place when complete; DCP's per-rank shards are written under its "sharded" folder first
+# (torch.distributed.checkpoint.HuggingFaceStorageWriter) and deleted once consolidated.
+HF_WEIGHTS = "hf"
+HF_SHARDED = "sharded"
 ADAPTERS = "lora_adapters.safetensors"  # a LoRA run's last step: the adapters alone, torchtitan's keys
 DCP_METADATA = ".metadata"
 DCP_SHARD = re.compile(r"__(\d+)_\d+\.distcp")  # torch.distributed.checkpoint.filesystem: <prefix __rank_><n>.distcp
@@ -246,16 +250,16 @@ class RunDir:
         return set(range(ranks)) <= shards if ranks else bool(shards)
 
     def exportable_steps(self) -> list[int]:
-        """Complete checkpoints that also hold the weights file (a run's last step)."""
+        """Complete checkpoints that also hold the HF save (a run's last step)."""
         complete = set(self.complete_steps())
-        return sorted(s for s, d in self.checkpoint_steps().items() if s in complete and (d / WEIGHTS).exists())
+        return sorted(s for s, d in self.checkpoint_steps().items() if s in complete and (d / HF_WEIGHTS).is_dir())
 
     def latest_exportable_step(self) -> int | None:
         steps = self.exportable_steps()
         return steps[-1] if steps else None
 
-    def weights_file(self, step: int | None = None) -> tuple[int, Path]:
-        """The safetensors weights of the last exportable (or the given) checkpoint."""
+    def hf_weights(self, step: int | None = None) -> tuple[int, Path]:
+        """The HF save (step-N/hf) of the last exportable (or the given) checkpoint."""
         steps = self.checkpoint_steps()
         if not steps:
             raise PipelineError(f"{self.path} has no checkpoint yet.",
@@ -263,8 +267,8 @@ class RunDir:
         if step is None:
             step = self.latest_exportable_step()
             if step is None:
-                raise PipelineError(f"{self.path} has checkpoints of steps {sorted(steps)} but none holds {WEIGHTS}, "
-                                    "which a run writes at its last step: the run was cut short.",
+                raise PipelineError(f"{self.path} has checkpoints of steps {sorted(steps)} but none holds {HF_WEIGHTS}/, "
+                                    "the model a run saves at its last step: the run was cut short.",
                                     "rerun the training command; it resumes and finishes the run.")
             if step < max(self.dcp_steps()):
                 print(f"warning: exporting step {step}; the later checkpoints {[s for s in self.dcp_steps() if s > step]} "
@@ -272,12 +276,26 @@ class RunDir:
         elif step not in steps:
             raise PipelineError(f"{self.path} has no checkpoint of step {step} (it has {sorted(steps)}).",
                                 "pick one of those steps.")
-        path = steps[step] / WEIGHTS
-        if not path.exists() or step not in self.complete_steps():
-            raise PipelineError(f"{steps[step]} has no {WEIGHTS}: only a run's last step holds the weights export "
+        path = steps[step] / HF_WEIGHTS
+        if not path.is_dir() or step not in self.complete_steps():
+            raise PipelineError(f"{steps[step]} has no {HF_WEIGHTS}/: only a run's last step holds the model export "
                                 f"reads (exportable here: {self.exportable_steps() or 'none'}).",
                                 "export the last step, or resume or rerun training so its last step is saved completely.")
         return step, path
+
+    def hf_weights_dtype(self, step: int) -> str | None:
+        """The dtype of step-N's HF save (torch's name: float32, bfloat16), None without a readable one."""
+        from pipeline.checkpoint import hf_dir
+        from pipeline.dtypes import SAFETENSORS_NAMES
+
+        directory = self.step_dir(step) / HF_WEIGHTS
+        if not directory.is_dir():
+            return None
+        try:
+            dtypes = {info.dtype for info in hf_dir.read_tensors(directory).values()}
+        except PipelineError:
+            return None
+        return SAFETENSORS_NAMES.get(dtypes.pop()) if len(dtypes) == 1 else None
 
     # ---- metrics ----------------------------------------------------------------------------
 

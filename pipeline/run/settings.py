@@ -21,6 +21,7 @@ from pipeline.errors import PipelineError
 CONFIG_DIR = Path(__file__).resolve().parent.parent.parent / "configs"
 CHOICES = {
     "dtype": dtypes.NAMES,
+    "export_dtype": dtypes.NAMES,
     "activation_checkpoint": ("none", "selective", "full"),
     "compile_backend": ("inductor", "neuron", "aot_eager"),
     "constraint_policy": ("error", "fallback"),
@@ -47,6 +48,8 @@ class TrainSettings:
     warmup_steps: int = 2
     max_norm: float = 1.0
     dtype: str = "float32"
+    export_dtype: str = flag("bfloat16", "dtype of the model the last step saves in HF safetensors, what export links "
+                             "(float32 for exact checks; export casts it down, never up)", choices=dtypes.NAMES)
     seed: int = 0
     tensor_parallel: int = 1
     data_parallel_shard: int = -1

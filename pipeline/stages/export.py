@@ -1,12 +1,11 @@
 """Stage `export`: a run's last complete checkpoint as a Hugging Face checkpoint, <run dir>/export/
-(the conversion itself: pipeline.outputs.export)."""
+(the checks and links: pipeline.outputs.export)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from pipeline.errors import PipelineError
 from pipeline.models import registry
 from pipeline.outputs.export import ExportConfig, export, export_adapter
 from pipeline.run import store
@@ -18,8 +17,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--path", required=True, choices=registry.names(), help="training path of the run")
     parser.add_argument("--name", help="the run's name (RUN_NAME; default: the path's name)")
-    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="export dtype (float32 for exact checks)")
-    parser.add_argument("--max-shard-size", default="5GB", help="largest shard, e.g. 5GB, 500MB")
+    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16",
+                        help="export dtype: the run's export_dtype (linked) or narrower (cast)")
     parser.add_argument("--step", type=int, help="checkpoint step to export (default: the last)")
     parser.add_argument("--force", action="store_true", help="replace an existing export (atomically)")
     parser.add_argument("--adapter", action="store_true",
@@ -27,15 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> Path:
-    from huggingface_hub import split_torch_state_dict_into_shards
-
-    try:  # the public splitter parses the size the same way the export will
-        split_torch_state_dict_into_shards({}, max_shard_size=args.max_shard_size)
-    except ValueError as err:
-        raise PipelineError(f"MAX_SHARD_SIZE={args.max_shard_size!r} is not a size ({err}).",
-                            "give a number with a unit, e.g. 5GB or 500MB.") from err
     config = ExportConfig(run=store.home(args.model).run(args.name or args.path), dtype=args.dtype,
-                          max_shard_size=args.max_shard_size, step=args.step, force=args.force)
+                          step=args.step, force=args.force)
     config.run.spec()  # no run there: say so before a lock file is made
     with RunLock(config.run, activity="exporting"):  # no training or second export writes there meanwhile
         return export_adapter(config) if args.adapter else export(config)

@@ -28,7 +28,6 @@ from pipeline.run.rundir import RunDir
 from pipeline.training import launcher, rehearsal, rehearsal_runs
 from pipeline.training.resolve import RunRequest, resolve
 
-EXPORT_DTYPE = "float32"  # a 2-step bf16 plan at trn2's lr moves weights below bf16's resolution
 SCHEDULERS = ("slurm", "eks")
 
 
@@ -133,7 +132,7 @@ def _rehearse_path(args, path: str, source: Path, out: Path, plain_run: RunDir, 
     summary.check(path, Check("steps", last == args.steps, f"logged steps 1..{last} of {args.steps}"))
 
     exported = _timed(summary, f"{path} export", lambda: export.export(
-        export.ExportConfig(run=run, dtype=EXPORT_DTYPE, force=True)))
+        export.ExportConfig(run=run, dtype=spec.settings.export_dtype, force=True)))
     result = _timed(summary, f"{path} verify", lambda: verify.verify(exported, source, run, run.verify))
     failed = [c.name for c in result.checks if not c.passed]
     summary.check(path, Check("export + verify-checkpoint", result.passed,

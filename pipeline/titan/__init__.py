@@ -3,4 +3,4 @@ applied in each rank before torchtitan is imported, one comment each), `internal
 torchtitan names the pipeline uses, checked before launch) and `accessors` (the only way the
 pipeline reaches them), `args` (TITAN_ARGS through torchtitan's own parser), `api` (the two
 torchtitan APIs told apart), and `trainer` (what the pipeline adds to torchtitan's Trainer:
-metrics.jsonl, first batch, weights copy)."""
+metrics.jsonl, first batch, the last step's HF save)."""

@@ -55,8 +55,8 @@ TORCHTITAN_INTERNALS = (
     # FQNs from the Trainer.Config root, as torchtitan matches overrides (models/override_check.py).
     Internal("torchtitan.config.configurable", "Configurable.Config.traverse", "override FQNs from the config root",
              parameter="_prefix"),
-    # The checkpointer has no public hook after a save or a load (titan/trainer.py's weights file).
-    Internal("torchtitan.components.checkpointer", "CheckpointManager._save", "write the model weights after the last save"),
+    # The checkpointer has no public hook after a save or a load (titan/trainer.py's HF save and digests).
+    Internal("torchtitan.components.checkpointer", "CheckpointManager._save", "save the model in HF safetensors after the last step's DCP save"),
     Internal("torchtitan.components.checkpointer", "CheckpointManager._should_save", "whether a step saves at all"),
     Internal("torchtitan.components.checkpointer", "CheckpointManager._load", "mark the load (start-up timings)"),
     Internal("torchtitan.components.checkpointer", "CheckpointManager._find_load_step", "the step a resume loads"),

@@ -1,5 +1,5 @@
 """torchtitan's Trainer with what this pipeline adds: metrics.jsonl, a recorded first batch,
-and a safetensors copy of the model weights in a run's last checkpoint (what export reads).
+and the last step's model in Hugging Face safetensors, through torchtitan's HF writer (what export links).
 
 All are torchtitan components (Configurable subclasses), so they are built the way
 torchtitan builds its own; nothing in the training loop is rewritten.
@@ -148,17 +148,23 @@ def release_free_memory() -> None:
 
 
 class WeightsCheckpointManager(accessors.checkpoint_manager_base()):
-    """torchtitan's DCP checkpointer that also writes the model weights as safetensors
-    (step-N/model_weights.safetensors, pipeline.run.rundir.WEIGHTS) at a run's last step, the one
-    export reads: renamed into place after DCP's .metadata. Other steps are DCP only (the copy
-    costs a third of a DCP save with AdamW state); a run cut short between DCP and the weights
-    file gets it when resumed (PipelineTrainer.train)."""
+    """torchtitan's DCP checkpointer that, at a run's last step, also saves the model alone in
+    Hugging Face safetensors through torchtitan's own HF writer (dcp_save(to_hf=True): the path's
+    state-dict adapter, DCP's HuggingFaceStorageWriter, consolidation), in the export dtype, into
+    step-N/hf (pipeline.run.rundir.HF_WEIGHTS): what export links. The full DCP save of that step
+    stays beside it, so a finished run continued with more STEPS resumes with its optimizer state.
+    Other steps are DCP only; a run cut short between DCP and the HF save gets it when resumed
+    (PipelineTrainer.train)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(accessors.checkpoint_manager_base().Config):
         lora_rank: int = 0
         lora_alpha: float = 16.0
         kv_heads: int = 0  # the model's, for LoRA's merge into the fused wqkv's wq/wk/wv
+        tied_embeddings: bool = False
+        """The model's lm_head is its embedding. When the source checkpoint (initial_load_path) stores
+        it anyway (some Hub repos do), the HF save keeps it too, where torchtitan's adapters drop it,
+        so that the export has the source's keys."""
 
     lora: tuple[int, float, int] | None = None  # (rank, alpha, kv heads) of a LoRA run, from the config
     timings: dict[str, float] | None = None  # PipelineTrainer.timings: after_load adds "loaded"
@@ -167,6 +173,7 @@ class WeightsCheckpointManager(accessors.checkpoint_manager_base()):
         super().__init__(config, **kwargs)
         if config.lora_rank > 0:
             self.lora = (config.lora_rank, config.lora_alpha, config.kv_heads)
+        self.stored_tied_head = config.tied_embeddings and _stores_lm_head(config.initial_load_path)
 
     def before_save(self, step: int, last_step: bool) -> None:
         release_free_memory()  # what the steps keep for themselves is not needed while saving
@@ -178,25 +185,24 @@ class WeightsCheckpointManager(accessors.checkpoint_manager_base()):
             # DCP's rank 0 wrote .metadata: its digest is what a resume checks before unpickling it
             # (first, so a kill right after the save leaves the step resumable)
             RunDir(Path(self.step_folder(step)).parent.parent).record_dcp_digest(step)
-        weights_s = None
+        hf_s = None
         if last_step:
             started = time.perf_counter()
-            self.save_weights(step)
-            weights_s = time.perf_counter() - started
-        self._record_save(step, dcp_s, weights_s)
+            self.save_hf(step)
+            hf_s = time.perf_counter() - started
+        self._record_save(step, dcp_s, hf_s)
         release_free_memory()  # nor is what the save allocated, by the steps that follow
 
-    def _record_save(self, step: int, dcp_s: float, weights_s: float | None) -> None:
-        """One line per save in saves.jsonl (rank 0): what the weights copy costs beside DCP."""
+    def _record_save(self, step: int, dcp_s: float, hf_s: float | None) -> None:
+        """One line per save in saves.jsonl (rank 0): what the HF save costs beside DCP."""
         if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
             return
         directory = Path(self.step_folder(step))
-        weights = directory / rundir.WEIGHTS
-        sizes = {p.name: p.stat().st_size for p in directory.iterdir() if p.is_file()}
-        record = {"step": step, "dcp_s": dcp_s, "weights_s": weights_s,
-                  "dcp_bytes": sum(v for k, v in sizes.items() if k != rundir.WEIGHTS and not k.startswith(".model")),
-                  "weights_bytes": weights.stat().st_size if weights.exists() else 0}
-        with open(RunDir(Path(self.step_folder(step)).parent.parent).saves, "a") as handle:
+        hf = directory / rundir.HF_WEIGHTS
+        record = {"step": step, "dcp_s": dcp_s, "hf_s": hf_s,
+                  "dcp_bytes": sum(p.stat().st_size for p in directory.iterdir() if p.is_file()),
+                  "hf_bytes": sum(p.stat().st_size for p in hf.iterdir() if p.is_file()) if hf.is_dir() else 0}
+        with open(RunDir(directory.parent.parent).saves, "a") as handle:
             handle.write(json.dumps(record) + "\n")
 
     def after_load(self, step: int, loaded: bool) -> None:
@@ -204,24 +210,25 @@ class WeightsCheckpointManager(accessors.checkpoint_manager_base()):
         if self.timings is not None:
             self.timings["loaded"] = time.time()
 
-    def has_weights(self, step: int) -> bool:
-        return (Path(self.step_folder(step)) / rundir.WEIGHTS).exists()
+    def hf_dtype(self, step: int) -> str | None:
+        """The dtype step-N/hf was saved in, None when the step has no (readable) HF save."""
+        return RunDir(Path(self.step_folder(step)).parent.parent).hf_weights_dtype(step)
 
     @torch.no_grad()
-    def save_weights(self, step: int) -> None:
-        """Every rank writes its own FSDP shard of each tensor straight into the file, at the
-        offset the header gives it (a Shard(0) shard is a contiguous row range): no gathering,
-        all ranks writing at once, as DCP does. Other layouts (TP) are gathered one tensor at a
-        time and written by rank 0. Nothing holds more than one full tensor."""
-        from torch.distributed.tensor import DTensor
+    def save_hf(self, step: int) -> None:
+        """The model alone, in the export dtype, through torchtitan's HF writer: every rank writes its
+        own shards (DCP), which are consolidated into HF's model-0000x-of-0000y files and index. Written
+        into step-N/.hf.tmp and renamed to step-N/hf once every rank is done (no half-written HF save
+        is ever named hf); DCP's per-rank shards are deleted after consolidation."""
+        import shutil
 
-        from pipeline.checkpoint import stream
+        from torchtitan.components.checkpointer import AsyncMode
 
         distributed = torch.distributed.is_initialized()
         rank = torch.distributed.get_rank() if distributed else 0
-        # Not torch's get_model_state_dict: it maps keys back to parameters by name and fails on the
-        # keys torchtitan's state-dict hooks make (fused wqkv split into wq/wk/wv). torchtitan's own
-        # ModelWrapper gives the canonical keys, in the model's order, the same on every rank.
+        directory = Path(self.step_folder(step))
+        final, tmp = directory / rundir.HF_WEIGHTS, directory / f".{rundir.HF_WEIGHTS}.tmp"
+        # torchtitan's ModelWrapper gives the canonical keys (fused wqkv split into wq/wk/wv by its hooks).
         state = list(self.states[MODEL].state_dict().items())
         adapters = None
         if self.lora is not None:  # LoRA: the merged weights, a plain model for export and verify
@@ -229,87 +236,60 @@ class WeightsCheckpointManager(accessors.checkpoint_manager_base()):
 
             adapters = lora.adapter_tensors(state)  # and the adapters alone, for `export --adapter`
             state = lora.merged(state, *self.lora)
-        aliases = [_aliases(state) if rank == 0 else None]
-        if distributed:
-            torch.distributed.broadcast_object_list(aliases, src=0)
-        aliases = aliases[0]
-        written = [(k, v) for k, v in state if k not in aliases]
-        metadata = {"format": "pt", "step": str(step), "keys": "torchtitan", "aliases": json.dumps(aliases)}
-        plan = stream.layout([stream.entry_of(k, v) for k, v in written], metadata, rundir.WEIGHTS)
-        directory = Path(self.step_folder(step))
-        tmp = directory / f".{rundir.WEIGHTS}.tmp"
+        dtype = self.export_dtype
+        state = {k: v.to(dtype) if v.is_floating_point() and v.dtype != dtype else v for k, v in state}
         if rank == 0:
-            directory.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "wb") as handle:
-                handle.write(plan.header)
-                handle.truncate(plan.size)
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(final, ignore_errors=True)  # a resumed run rewriting its last step in another dtype
         if distributed:
             torch.distributed.barrier()
-        fd = os.open(tmp, os.O_WRONLY)
+        adapter = self.sd_adapter
+        if self.stored_tied_head:
+            self.sd_adapter = _StoredTiedHead(adapter)
         try:
-            for key, value in written:
-                first_row = _own_rows(value)
-                if first_row is not None:  # this rank's Shard(0) rows, in place
-                    local = value.to_local()
-                    if local.numel():
-                        row_bytes = local[0].numel() * local.element_size()
-                        stream.pwrite_all(fd, stream.tensor_bytes(local), plan.offsets[key] + first_row * row_bytes, tmp)
-                    continue
-                full = value.full_tensor() if isinstance(value, DTensor) else value
-                if rank == 0:
-                    stream.pwrite_all(fd, stream.tensor_bytes(full), plan.offsets[key], tmp)
-                del full
-            os.fsync(fd)
+            self.dcp_save(state, checkpoint_id=str(tmp), async_mode=AsyncMode.DISABLED, to_hf=True)
         finally:
-            os.close(fd)
+            self.sd_adapter = adapter
+        del state
         if distributed:
             torch.distributed.barrier()
         if rank == 0:
+            shutil.rmtree(tmp / rundir.HF_SHARDED, ignore_errors=True)
             if adapters is not None:  # before the weights: a step with weights has its adapters too
-                from safetensors.torch import save_file
-
                 save_file(dict(adapters), str(directory / f".{rundir.ADAPTERS}.tmp"), metadata={"format": "pt"})
                 os.replace(directory / f".{rundir.ADAPTERS}.tmp", directory / rundir.ADAPTERS)
-            os.replace(tmp, directory / rundir.WEIGHTS)
-            logger.info(f"Saved the model weights of step {step} to {directory / rundir.WEIGHTS}")
+            os.replace(tmp, final)
+            logger.info(f"Saved the model of step {step} in HF safetensors to {final}")
         if distributed:
             torch.distributed.barrier()
 
 
-def _own_rows(value) -> int | None:
-    """The first row of this rank's shard when `value` is a DTensor split by rows over a 1-D mesh
-    of every rank (FSDP's layout), else None (gather it). torch.chunk's split, as DTensor uses."""
-    from torch.distributed.tensor import DTensor, Shard
+class _StoredTiedHead:
+    """The run's state-dict adapter, plus a tied lm_head.weight (the embedding) for a source that
+    stores one: torchtitan's adapters drop it, the export must have the source's keys."""
 
-    if not isinstance(value, DTensor) or value.device_mesh.ndim != 1 or tuple(value.placements) != (Shard(0),):
-        return None
-    if value.device_mesh.size() != torch.distributed.get_world_size():
-        return None
-    per_rank = -(-value.shape[0] // value.device_mesh.size())
-    first = per_rank * value.device_mesh.get_local_rank()
-    expected = max(0, min(value.shape[0], first + per_rank) - first)
-    if value.to_local().shape[0] != expected:
-        raise RuntimeError(f"unexpected shard: {tuple(value.to_local().shape)} rows at {first} of {tuple(value.shape)}")
-    return first
+    def __init__(self, adapter):
+        self.adapter = adapter
+        mapping = adapter.fqn_to_index_mapping
+        if mapping and EMBEDDING in mapping:
+            mapping = {**mapping, LM_HEAD: mapping[EMBEDDING]}
+        self.fqn_to_index_mapping = mapping
+
+    def to_hf(self, state_dict):
+        converted = self.adapter.to_hf(state_dict)
+        if LM_HEAD not in converted and EMBEDDING in converted:
+            # its own storage: safetensors refuses to save two names of one tensor
+            converted[LM_HEAD] = converted[EMBEDDING].clone()
+        return converted
 
 
-def _aliases(state: list[tuple[str, torch.Tensor]]) -> dict[str, str]:
-    """A tensor stored under two keys (a tied lm_head is the embedding) is written once, under its
-    first key in the model's order: later key → first key. Decided on rank 0, sent to all."""
-    from torch.distributed.tensor import DTensor
+EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
-    first: dict[tuple, str] = {}
-    aliases = {}
-    for key, value in state:
-        local = value.to_local() if isinstance(value, DTensor) else value
-        if not local.numel():
-            continue
-        ident = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(value.shape), value.dtype)
-        if ident in first:
-            aliases[key] = first[ident]
-        else:
-            first[ident] = key
-    return aliases
+
+def _stores_lm_head(source: str | None) -> bool:
+    from pipeline.checkpoint import hf_dir
+
+    return bool(source) and LM_HEAD in hf_dir.read_tensors(Path(source))
 
 
 class PipelineTrainer(Trainer):
@@ -370,11 +350,11 @@ class PipelineTrainer(Trainer):
         # so STEPS=0 would leave no checkpoint: save the loaded weights as step 0.
         if self.config.training.steps == 0 and self.step == 0:
             self.checkpointer.save(0, last_step=True)
-        elif self.step == self.config.training.steps and not self.checkpointer.has_weights(self.step) \
-                and self.step in RunDir(Path(self.config.dump_folder)).dcp_steps():
-            # Resumed at the last step, whose save was cut short after DCP: nothing trains, so
-            # nothing saves again; write the weights export reads now.
-            self.checkpointer.save_weights(self.step)
+        elif self.step == self.config.training.steps and self.step in RunDir(Path(self.config.dump_folder)).dcp_steps() \
+                and self.checkpointer.hf_dtype(self.step) != str(self.checkpointer.export_dtype).removeprefix("torch."):
+            # Resumed at the last step, whose save was cut short after DCP or whose HF save is in another
+            # export dtype than this run asks for: nothing trains, so nothing saves again; save it now.
+            self.checkpointer.save_hf(self.step)
         return result
 
     def _truncate_metrics_after_checkpoint(self) -> None:

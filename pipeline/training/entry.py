@@ -101,7 +101,9 @@ def build_config(spec: RunSpec):
             initial_load_path=spec.source_dir,
             initial_load_in_hf=True,
             initial_load_model_only=True,
-            last_save_model_only=False,
+            last_save_model_only=False,  # the last step keeps its optimizer state; the HF save goes beside it
+            export_dtype=s.export_dtype,
+            tied_embeddings=spec.arch.tie_word_embeddings,
             keep_latest_k=s.keep_latest_k,
             lora_rank=s.lora_rank,
             lora_alpha=s.lora_alpha,

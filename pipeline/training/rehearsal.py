@@ -111,6 +111,11 @@ def plan(path: str, arch: Qwen3Arch, steps: int = STEPS) -> Rehearsal:
         changes["data_parallel_shard"] = -1
         differences.append(Difference("data_parallel_shard", planned.data_parallel_shard, -1,
                                       "FSDP over the rehearsal's remaining ranks"))
+    if planned.export_dtype != "float32":
+        changes["export_dtype"] = "float32"
+        differences.append(Difference("export_dtype", planned.export_dtype, "float32",
+                                      "a 2-step plan at trn2's lr moves weights below bfloat16's resolution: the "
+                                      "export verify compares with the plain run is float32"))
     differences.append(Difference("target", PLAN_TARGET, HOST_TARGET,
                                   "no Trainium here: device cpu, gloo collectives; the nki path runs each kernel's "
                                   "PyTorch reference (nki and nkilib import only on Neuron)"))

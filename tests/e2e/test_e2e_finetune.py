@@ -14,11 +14,12 @@ import pytest
 from helpers import REPO, copy_model, pipeline_env
 
 def make_in_own_root(target: str, checkpoints: Path, tmp_path: Path) -> tuple[Path, subprocess.CompletedProcess]:
-    """`make <target> MODEL=tiny` as a user runs it, in a checkpoints root of its own (tiny linked in)."""
+    """`make <target> MODEL=tiny DTYPE=float32` as a user runs it, in a checkpoints root of its own (tiny
+    linked in); DTYPE=float32 reaches both the run's HF save and the export, so exports compare exactly."""
     root = copy_model(checkpoints, tmp_path / "root", link=True)
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "IN_CONTAINER")}
     env = pipeline_env(root, env)
-    result = subprocess.run(["make", "--no-print-directory", target, "MODEL=tiny"], cwd=REPO, env=env,
+    result = subprocess.run(["make", "--no-print-directory", target, "MODEL=tiny", "DTYPE=float32"], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return root, result

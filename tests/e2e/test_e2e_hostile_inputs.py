@@ -28,6 +28,7 @@ import pytest
 
 import helpers
 from helpers import REPO
+from pipeline.run import rundir
 from pipeline.run.rundir import RunDir
 from tiny_checkpoint import small_random_checkpoint
 
@@ -514,7 +515,8 @@ def test_a_truncated_weights_file_names_the_fix_that_works(imported):
     (run.step_dir(0) / ".metadata").write_bytes(b"x")
     for rank in range(spec.settings.world_size):  # every rank's shard: a complete step
         (run.step_dir(0) / f"__{rank}_0.distcp").touch()
-    (run.step_dir(0) / "model_weights.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")  # cut short
+    (run.step_dir(0) / rundir.HF_WEIGHTS).mkdir()
+    (run.step_dir(0) / rundir.HF_WEIGHTS / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")  # cut short
     try:
         line = one_error_line(cli("export", "--model", model, "--path", "native", root=root), "truncated or corrupt")
         assert "re-download" not in line and "delete" in line and "rerun the training command" in line

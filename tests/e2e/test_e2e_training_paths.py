@@ -27,7 +27,7 @@ def root(checkpoints, tmp_path_factory):
 
 @pytest.mark.parametrize("model,path", CASES)
 def test_trains_exports_and_verifies(root, model, path):
-    trained = run_pipeline("train", "--model", model, "--path", path, "--steps", "2", root=root)
+    trained = run_pipeline("train", "--model", model, "--path", path, "--steps", "2", "--export-dtype", "float32", root=root)
     # the ranks really ran on the installed API, not on a fallback
     assert f"torchtitan API: {api.variant()}" in trained.stdout + trained.stderr
     run_pipeline("export", "--model", model, "--path", path, "--dtype", "float32", root=root)
@@ -48,7 +48,7 @@ def test_chat_sft_masks_the_prompts_on_the_installed_api(root):
     from pipeline.training import chat
 
     run_pipeline("train", "--model", "tiny", "--path", "native", "--steps", "3", "--dataset", "chat",
-                 "--config", "configs/finetune/sft.toml", "--name", "sft-e2e", root=root)
+                 "--config", "configs/finetune/sft.toml", "--name", "sft-e2e", "--export-dtype", "float32", root=root)
     run_pipeline("export", "--model", "tiny", "--path", "native", "--name", "sft-e2e", "--dtype", "float32", root=root)
     verified = run_pipeline("verify", "--model", "tiny", "--path", "native", "--name", "sft-e2e", root=root)
     assert "PASSED" in verified.stdout

@@ -1,5 +1,6 @@
-"""pipeline/stages/export.py: a run's checkpoint → HF safetensors, with the source's keys, atomically;
-bad checkpoints are refused and a full disk leaves the previous export intact."""
+"""pipeline/outputs/export.py: a run's HF save (step-N/hf, torchtitan's HF writer) → an HF checkpoint with the
+source's keys and shards, linked or cast, atomically; bad saves are refused and a full disk leaves the previous
+export intact."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ from pipeline.errors import PipelineError
 from pipeline.run import rundir
 from pipeline.run.rundir import RunDir
 from pipeline.outputs import export as export_stage
-from helpers import (EXPORT_MODELS, TRAINED_STEPS, copy_model, fake_run, plant_dcp_shards, read_metrics, run_dir as runs_dir,
-                           run_pipeline, source_dir, tensors, tied_source_with_lm_head, weights_path)
+from helpers import (EXPORT_MODELS, TRAINED_STEPS, copy_model, fake_run, hf_shard, plant_dcp_shards, read_metrics,
+                     run_dir as runs_dir, run_pipeline, source_dir, tensors, tied_source_with_lm_head, weights_path)
 
 
 CURRENT_UMASK = os.umask(0o022)
@@ -39,16 +40,23 @@ def test_trainer_wrote_step0_and_step2_weights(export_runs):
         steps = run.checkpoint_steps()
         assert sorted(steps) == [0, TRAINED_STEPS]
         for path in steps.values():
-            assert (path / rundir.WEIGHTS).exists() and (path / ".metadata").exists()
-        assert run.weights_file() == (TRAINED_STEPS, steps[TRAINED_STEPS] / rundir.WEIGHTS)
+            assert (path / rundir.HF_WEIGHTS).is_dir() and (path / ".metadata").exists()
+        assert run.hf_weights() == (TRAINED_STEPS, steps[TRAINED_STEPS] / rundir.HF_WEIGHTS)
+        assert run.hf_weights_dtype(TRAINED_STEPS) == "float32"  # the fixture's --export-dtype
         assert [m["step"] for m in read_metrics(run.path)] == [1, 2]
 
 
-def test_weights_file_name_matches_the_trainer(export_runs):
-    """The one safetensors file the real trainer writes beside each DCP step is the one export reads."""
+def test_the_hf_save_has_the_source_shards_and_nothing_else(export_runs):
+    """torchtitan's HF writer keeps the source's file per tensor; DCP's per-rank shards and the temporary
+    folder are gone; the step's own files are DCP's alone."""
     for model in EXPORT_MODELS:
+        source = source_dir(export_runs, model)
         for step_dir in RunDir(runs_dir(export_runs, model, "native")).checkpoint_steps().values():
-            assert [p.name for p in step_dir.glob("*.safetensors")] == [rundir.WEIGHTS]
+            saved = step_dir / rundir.HF_WEIGHTS
+            assert sorted(p.name for p in saved.iterdir()) == sorted(p.name for p in source.glob("model*"))
+            assert json.loads((saved / hf_dir.INDEX).read_text())["weight_map"] == \
+                json.loads((source / hf_dir.INDEX).read_text())["weight_map"]
+            assert not list(step_dir.glob("*.safetensors")) and not list(step_dir.glob(".*.tmp"))
 
 
 @pytest.mark.parametrize("model", EXPORT_MODELS)
@@ -62,12 +70,15 @@ def test_step0_export_is_bitwise_the_source(export_runs, tmp_path, model):
         assert torch.equal(ours[key], theirs[key]), key
     report = hf_dir.validate(out)
     assert report.arch == hf_dir.validate(source).arch
+    saved = weights_path(runs_dir(export_runs, model, "native"), 0)
+    for shard in out.glob("*.safetensors"):  # the saved dtype: linked, not copied
+        assert shard.stat().st_ino == (saved / shard.name).stat().st_ino, shard.name
     if model == "tiny-moe":
         assert any(".mlp.experts.3.down_proj.weight" in k for k in ours) and "lm_head.weight" in ours
     else:
         assert "lm_head.weight" not in ours  # tied, and the source does not store it
     written = manifest.check(out)
-    assert written["step"] == 0 and written["dtype"] == "float32"
+    assert written["step"] == 0 and written["dtype"] == "float32" and written["saved_dtype"] == "float32"
     assert set(written["files"]) == {p.name for p in out.iterdir()} - {manifest.MANIFEST}
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (out / name).read_bytes() == (source / name).read_bytes()
@@ -83,12 +94,17 @@ def test_step0_export_is_bitwise_the_source(export_runs, tmp_path, model):
 
 def test_default_export_is_bf16_of_the_last_step(export_runs, monkeypatch):
     monkeypatch.setenv("PIPELINE_CHECKPOINTS", str(export_runs))
-    assert main(["export", "--model", "tiny-moe", "--path", "native", "--max-shard-size", "10MB", "--force"]) == 0
+    assert main(["export", "--model", "tiny-moe", "--path", "native", "--force"]) == 0
     out = runs_dir(export_runs, "tiny-moe", "native") / "export"
     index = json.loads((out / hf_dir.INDEX).read_text())
-    assert len(set(index["weight_map"].values())) > 1  # the shard-size limit was applied
+    source_index = json.loads((source_dir(export_runs, "tiny-moe") / hf_dir.INDEX).read_text())
+    assert index["weight_map"] == source_index["weight_map"]  # the source's shards
+    assert index["metadata"]["total_size"] == sum(t.numel() * 2 for t in tensors(out).values())
     written = manifest.check(out)
-    assert written["step"] == TRAINED_STEPS
+    assert written["step"] == TRAINED_STEPS and written["saved_dtype"] == "float32"
+    saved = weights_path(runs_dir(export_runs, "tiny-moe", "native"), TRAINED_STEPS)
+    for shard in out.glob("*.safetensors"):  # a narrower dtype: cast into new files
+        assert shard.stat().st_ino != (saved / shard.name).stat().st_ino
     ours, theirs = tensors(out), tensors(source_dir(export_runs, "tiny-moe"))
     assert set(ours) == set(theirs)
     assert {t.dtype for t in ours.values()} == {torch.bfloat16}
@@ -98,11 +114,10 @@ def test_default_export_is_bf16_of_the_last_step(export_runs, monkeypatch):
 
 
 def test_an_export_is_a_shareable_repository(export_runs, tmp_path):
-    """One shard is save_pretrained's single file; no host path in any file; modes as open/mkdir give."""
+    """The source's shard names and index; no host path in any file; modes as open/mkdir give."""
     out = tmp_path / "e"
     export(runs_dir(export_runs, "tiny", "native"), dtype="bfloat16", output=out)
-    assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]
-    assert not (out / hf_dir.INDEX).exists()
+    assert sorted(p.name for p in out.glob("model*")) == sorted(p.name for p in source_dir(export_runs, "tiny").glob("model*"))
     for file in out.iterdir():
         assert str(export_runs) not in file.read_text(errors="replace"), file.name
         assert stat.S_IMODE(file.stat().st_mode) == 0o666 & ~CURRENT_UMASK, file.name
@@ -144,29 +159,41 @@ def test_run_without_checkpoint_is_refused(export_runs, tmp_path):
         export(tmp_path / "nothing")
 
 
-def test_checkpoint_without_weights_file_is_refused(export_runs, tmp_path):
+def test_checkpoint_without_its_hf_save_is_refused(export_runs, tmp_path):
     run = fake_run(export_runs, tmp_path)
-    weights_path(run).unlink()
-    with pytest.raises(PipelineError, match="none holds model_weights.safetensors"):
+    shutil.rmtree(weights_path(run))
+    with pytest.raises(PipelineError, match="none holds hf/.*cut short"):
         export(run)
 
 
-def test_nan_weights_are_refused(export_runs, tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # linked and cast: both read every tensor
+def test_nan_weights_are_refused(export_runs, tmp_path, dtype):
     run = fake_run(export_runs, tmp_path)
-    state = load_file(str(weights_path(run)))
-    state["norm.weight"][3] = float("nan")
-    save_file(state, str(weights_path(run)))
-    with pytest.raises(PipelineError, match="norm.weight holds NaN"):
-        export(run)
+    shard = hf_shard(run)
+    state = load_file(str(shard))
+    state["model.norm.weight"][3] = float("nan")
+    save_file(state, str(shard), metadata={"format": "pt"})
+    with pytest.raises(PipelineError, match="model.norm.weight holds NaN"):
+        export(run, dtype=dtype)
     assert sorted(p.name for p in run.iterdir()) == ["checkpoint", "run.json"]
 
 
 def test_truncated_weights_are_refused(export_runs, tmp_path):
     run = fake_run(export_runs, tmp_path)
-    path = weights_path(run)
+    path = hf_shard(run)
     os.truncate(path, path.stat().st_size // 2)
-    with pytest.raises(PipelineError, match="truncated"):
+    with pytest.raises(PipelineError, match="damaged.*truncated"):
         export(run)
+
+
+def test_a_wider_dtype_than_the_run_saved_is_refused(export_runs, tmp_path):
+    run = fake_run(export_runs, tmp_path)
+    for shard in weights_path(run).glob("*.safetensors"):
+        save_file({k: v.to(torch.bfloat16) for k, v in load_file(str(shard)).items()}, str(shard), metadata={"format": "pt"})
+    with pytest.raises(PipelineError, match="saved in bfloat16.*Fix: train with DTYPE=float32"):
+        export(run, dtype="float32")
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoint", "run.json"]
+    assert manifest.check(export(run, dtype="bfloat16"))["saved_dtype"] == "bfloat16"
 
 
 def test_interrupted_export_leaves_nothing_that_looks_complete(export_runs, tmp_path, monkeypatch):
@@ -181,13 +208,23 @@ def test_interrupted_export_leaves_nothing_that_looks_complete(export_runs, tmp_
     assert sorted(p.name for p in run.iterdir()) == ["checkpoint", "run.json"]
 
 
-def test_tied_lm_head_is_written_exactly_when_the_source_has_it(export_runs, tmp_path):
-    source = tied_source_with_lm_head(export_runs, tmp_path)
-    run = fake_run(export_runs, tmp_path, source=source)
-    out = export(run, dtype="float32")
+def test_a_stored_tied_lm_head_and_a_single_file_are_kept(checkpoints, tmp_path):
+    """A tied source that stores lm_head.weight, in one model.safetensors (as some Hub repos are): the
+    trainer's HF save keeps the head (torchtitan's adapter drops it), the export is one file, no index."""
+    root = tmp_path / "root"
+    copy_model(checkpoints, root)
+    source = source_dir(root)
+    merged = tied_source_with_lm_head(root, tmp_path)
+    for old in source.glob("model*"):
+        old.unlink()
+    save_file(tensors(merged), str(source / "model.safetensors"), metadata={"format": "pt"})
+    run_pipeline("train", "--model", "tiny", "--path", "native", "--steps", "0", "--export-dtype", "float32", root=root)
+    out = export(runs_dir(root, "tiny", "native"), dtype="float32")
+    assert sorted(p.name for p in out.glob("model*")) == ["model.safetensors"]
     ours = tensors(out)
     assert set(ours) == set(tensors(source))
     assert torch.equal(ours["lm_head.weight"], ours["model.embed_tokens.weight"])
+    assert torch.equal(ours["lm_head.weight"], tensors(source)["lm_head.weight"])
 
 
 def test_source_that_no_longer_matches_the_run_is_refused(export_runs, tmp_path):
@@ -203,12 +240,13 @@ def sha(path: Path) -> str:
 
 
 def test_export_onto_a_full_disk_fails_cleanly(checkpoints, tmp_path):
-    # The run lives on a small tmpfs that holds the source checkpoint and one bf16 export;
-    # the float32 export does not fit.
+    # The run lives on a small tmpfs that holds its float32 HF save and a linked float32 export;
+    # a bfloat16 export (a cast: new files) does not fit.
     root = tmp_path / "root"
     source_run = tmp_path / "source"
     copy_model(checkpoints, source_run)
-    run_pipeline("train", "--model", "tiny", "--path", "native", "--steps", "0", "--fresh", root=source_run)
+    run_pipeline("train", "--model", "tiny", "--path", "native", "--steps", "0", "--fresh", "--export-dtype", "float32",
+                 root=source_run)
     trained = runs_dir(source_run, "tiny", "native")
     shutil.copytree(source_run / "tiny", root / "tiny", ignore=shutil.ignore_patterns("runs"))
     run = runs_dir(root, "tiny", "native")
@@ -220,15 +258,15 @@ def test_export_onto_a_full_disk_fails_cleanly(checkpoints, tmp_path):
         shutil.copy(trained / "run.json", run / "run.json")
         step = run / "checkpoint" / "step-0"
         step.mkdir(parents=True)
-        for name in (".metadata", rundir.WEIGHTS):
-            shutil.copy(trained / "checkpoint" / "step-0" / name, step / name)
+        shutil.copy(trained / "checkpoint" / "step-0" / ".metadata", step / ".metadata")
+        shutil.copytree(trained / "checkpoint" / "step-0" / rundir.HF_WEIGHTS, step / rundir.HF_WEIGHTS)
         plant_dcp_shards(trained / "checkpoint" / "step-0", step)
-        run_pipeline("export", "--model", "tiny", "--path", "native", root=root)
-        before = {p: sha(p) for p in [*sorted((run / "export").iterdir()), step / rundir.WEIGHTS]}
+        run_pipeline("export", "--model", "tiny", "--path", "native", "--dtype", "float32", root=root)
+        before = {p: sha(p) for p in [*sorted((run / "export").iterdir()), *sorted((step / rundir.HF_WEIGHTS).iterdir())]}
         used = int(subprocess.run(["du", "-sk", str(run)], capture_output=True, text=True).stdout.split()[0])
         subprocess.run(["mount", "-o", f"remount,size={used + 8 * 1024}k", str(run)], check=True)
 
-        result = run_pipeline("export", "--model", "tiny", "--path", "native", "--force", "--dtype", "float32",
+        result = run_pipeline("export", "--model", "tiny", "--path", "native", "--force", "--dtype", "bfloat16",
                               root=root, check=False)
         assert result.returncode == 2, result.stderr[-2000:]
         err = result.stderr.strip()

@@ -17,7 +17,7 @@ from pipeline.checkpoint import hf_dir, manifest, reference_loss
 from pipeline.checkpoint.arch import arch_from_config
 from pipeline.errors import PipelineError
 from pipeline.run import expectation
-from pipeline.run.rundir import DCP_METADATA, WEIGHTS, RunDir
+from pipeline.run.rundir import DCP_METADATA, HF_WEIGHTS, RunDir
 from pipeline.run.settings import TrainSettings
 from pipeline.run.spec import RunSpec
 from pipeline.outputs import verify as verify_stage
@@ -142,8 +142,8 @@ def _copy_run(trained: Path, run: Path, step: int) -> None:
     shutil.copy(trained / "metrics.jsonl", run / "metrics.jsonl")
     shutil.copytree(trained / "first_batch", run / "first_batch")
     (run / "checkpoint" / f"step-{step}").mkdir(parents=True)
-    for name in (WEIGHTS, DCP_METADATA):
-        shutil.copy(trained / "checkpoint" / f"step-{step}" / name, run / "checkpoint" / f"step-{step}" / name)
+    shutil.copy(trained / "checkpoint" / f"step-{step}" / DCP_METADATA, run / "checkpoint" / f"step-{step}" / DCP_METADATA)
+    shutil.copytree(trained / "checkpoint" / f"step-{step}" / HF_WEIGHTS, run / "checkpoint" / f"step-{step}" / HF_WEIGHTS)
     plant_dcp_shards(trained / "checkpoint" / f"step-{step}", run / "checkpoint" / f"step-{step}")  # a complete step
 
 

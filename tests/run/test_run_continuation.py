@@ -163,7 +163,7 @@ def test_a_new_experiment_in_a_trained_run_is_refused_and_a_named_one_trains(che
     assert json.loads(named.run_json.read_text())["run_dir"] == str(named.path)
     assert [r["step"] for r in named.metric_records()] == [1, 2]
     assert (named.path / "tb").is_dir()  # TensorBoard's events are the named run's
-    ok(cli("export", "--model", "tiny", "--path", "native", "--name", "mine", "--dtype", "float32", root=root))
+    ok(cli("export", "--model", "tiny", "--path", "native", "--name", "mine", root=root))
     assert (named.export / "config.json").exists() and not run.export.exists()
     ok(cli(*first, "--steps", "2", root=root))  # more STEPS, same settings: continues
     assert [r["step"] for r in run.metric_records()] == [1, 2]

@@ -116,18 +116,13 @@ def export_without_run(root, ck):
     return ("export", "--model", "tiny", "--path", "native"), "no run there"
 
 
-def export_bad_shard_size(root, ck):
-    _copy(root, ck)
-    return ("export", "--model", "tiny", "--path", "native", "--max-shard-size", "5XB"), "MAX_SHARD_SIZE='5XB' is not a size"
-
-
 def unknown_flag(root, ck):
     return (*TRAIN, "--stpes", "3"), "unrecognized arguments: --stpes"
 
 
 CASES = [no_tokenizer, missing_shard, truncated_shard, config_typo, wrong_type, conflicting_parallelism,
          unknown_model, config_only_model_download, config_only_model_train, model_path_missing, root_not_writable, steps_negative, steps_not_a_number, seq_len_zero,
-         unknown_target, trn2_without_neuron, nki_constraint_broken, export_without_run, export_bad_shard_size,
+         unknown_target, trn2_without_neuron, nki_constraint_broken, export_without_run,
          unknown_flag]
 
 

@@ -13,11 +13,11 @@ import sys
 import time
 from pathlib import Path
 
-from safetensors.torch import load_file
 
 from pipeline.run import rundir
 from pipeline.run.rundir import RunDir
-from helpers import REPO, copy_model, pipeline_env, plant_incomplete_step, read_metrics, run_dir as runs_dir, run_pipeline
+from helpers import (REPO, copy_model, pipeline_env, plant_incomplete_step, read_metrics, run_dir as runs_dir, run_pipeline,
+                     tensors)
 
 STEPS = "8"  # checkpoint_interval 5 (TrainSettings, the CPU default): step 5 is saved, the kill lands after it
 
@@ -97,8 +97,8 @@ def test_kill_9_then_rerun_resumes_with_identical_losses(checkpoints, tmp_path):
     assert [m["step"] for m in resumed] == list(range(1, int(STEPS) + 1))
     assert [m["loss"] for m in resumed] == [m["loss"] for m in reference], f"killed at step {seen}"
     assert [m["grad_norm"] for m in resumed] == [m["grad_norm"] for m in reference]
-    final = f"checkpoint/step-{STEPS}/{rundir.WEIGHTS}"
-    ours, theirs = load_file(str(run_dir / final)), load_file(str(runs_dir(reference_root, "tiny", "native") / final))
+    final = f"checkpoint/step-{STEPS}/{rundir.HF_WEIGHTS}"
+    ours, theirs = tensors(run_dir / final), tensors(runs_dir(reference_root, "tiny", "native") / final)
     assert ours.keys() == theirs.keys() and all((ours[k] == theirs[k]).all() for k in ours)
-    assert RunDir(run_dir).weights_file()[0] == int(STEPS)
+    assert RunDir(run_dir).hf_weights()[0] == int(STEPS)
 
