@@ -16,7 +16,7 @@ from pipeline.checkpoint import hf_dir, manifest
 from pipeline.run.rundir import RunDir
 from pipeline.outputs import export as export_stage
 from pipeline.outputs.verify import verify
-from helpers import (TRAINED_STEPS, fake_run, read_metrics, run_dir as runs_dir, run_pipeline, source_dir,
+from helpers import (TRAINED_STEPS, fake_run, hf_shard, read_metrics, run_dir as runs_dir, run_pipeline, source_dir,
                            tied_source_with_lm_head)
 
 SCHEMA = {"passed", "checkpoint", "reference", "checks", "missing_keys", "unexpected_keys", "mismatched_keys", "step1_loss",
@@ -130,6 +130,13 @@ def test_cli_by_model_and_path_writes_verify_json_in_the_run_dir(runs):
 def test_tied_source_storing_lm_head_round_trips(runs, tmp_path):
     source = tied_source_with_lm_head(runs, tmp_path)
     run_dir = fake_run(runs, tmp_path, source=source)
+    # The trainer's HF save of such a run keeps the head (test_outputs_export trains one): here it is added.
+    shard = hf_shard(run_dir, key="model.embed_tokens.weight")
+    state = load_file(str(shard))
+    save_file({**state, "lm_head.weight": state["model.embed_tokens.weight"].clone()}, str(shard), metadata={"format": "pt"})
+    index = json.loads((shard.parent / hf_dir.INDEX).read_text())
+    index["weight_map"]["lm_head.weight"] = shard.name
+    (shard.parent / hf_dir.INDEX).write_text(json.dumps(index))
     out = export_stage.export(export_stage.ExportConfig(RunDir(run_dir), dtype="float32"))
     result = verify(out, source, RunDir(run_dir), tmp_path / "verify.json")
     assert result.passed, [c for c in result.checks if not c.passed]

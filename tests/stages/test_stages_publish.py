@@ -89,7 +89,7 @@ def test_a_verified_export_is_published_exactly_and_the_token_never_shown(export
     export = run_dir(root, "tiny", "native") / "export"
 
     dry = publish(root, endpoint, "--dry-run")
-    assert "would publish" in dry.stdout and "  model.safetensors" in dry.stdout and not received["created"]
+    assert "would publish" in dry.stdout and "  model-00001-of-00002.safetensors" in dry.stdout and not received["created"]
 
     done = publish(root, endpoint)
     assert "published team/tiny-sft at commit abc123" in done.stdout
@@ -99,7 +99,8 @@ def test_a_verified_export_is_published_exactly_and_the_token_never_shown(export
     assert set(received["files"]) == {*listed["files"], manifest.MANIFEST}
     for name, data in received["files"].items():
         assert data == (export / name).read_bytes(), name
-    assert hashlib.sha256(received["files"]["model.safetensors"]).hexdigest() == listed["files"]["model.safetensors"]["sha256"]
+    shard = "model-00001-of-00002.safetensors"  # tiny's source layout, which the export keeps
+    assert hashlib.sha256(received["files"][shard]).hexdigest() == listed["files"][shard]["sha256"]
     assert "verified" in received["message"]
     record = json.loads((run_dir(root, "tiny", "native") / "published.json").read_text())
     assert record["commit"] == "abc123" and record["repo"] == "team/tiny-sft"
