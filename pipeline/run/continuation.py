@@ -23,8 +23,9 @@ from pipeline.run.rundir import DCP_METADATA, RunDir
 
 # Recorded fields that do not make a different experiment: the step count (more STEPS continues
 # the run), where the run lives, and what the pipeline derives (memory estimate, the nki plan and
-# override imports follow from the settings and may change with the pipeline's version).
-NOT_COMPARED = {"settings.steps", "run_dir", "memory", "nki", "overrides", "record_plan", "peak_flops_per_rank"}
+# override imports follow from the settings and may change with the pipeline's version), and the dtype
+# of the last step's HF save (a run resumed at its last step with another one saves its model again in it).
+NOT_COMPARED = {"settings.steps", "settings.export_dtype", "run_dir", "memory", "nki", "overrides", "record_plan", "peak_flops_per_rank"}
 DISCARDED_PREFIX = ".discarded-"
 
 

@@ -278,3 +278,28 @@ def test_export_onto_a_full_disk_fails_cleanly(checkpoints, tmp_path):
         assert sorted(p.name for p in run.iterdir()) == [".lock", "checkpoint", "export", "run.json"]
     finally:
         subprocess.run(["umount", str(run)], check=False)
+
+
+def test_a_finished_run_saves_its_model_again_in_another_dtype(checkpoints, tmp_path):
+    """A run's last step saved in bfloat16 (the default) refuses a float32 export, naming the fix; the fix
+    (the same run, DTYPE=float32) trains nothing and saves the model again; more STEPS then resume from
+    the last step's full DCP save, and the new last step has its HF save in the dtype asked for."""
+    root = copy_model(checkpoints, tmp_path / "root", link=True)
+    train = ("train", "--model", "tiny", "--path", "native", "--nproc-per-node", "1")
+    run_pipeline(*train, "--steps", "2", root=root)
+    run = RunDir(runs_dir(root, "tiny", "native"))
+    assert run.hf_weights_dtype(2) == "bfloat16"
+    bf16 = tensors(run.step_dir(2) / rundir.HF_WEIGHTS)
+    with pytest.raises(PipelineError, match="saved in bfloat16.*DTYPE=float32"):
+        export(run.path, dtype="float32")
+    again = run_pipeline(*train, "--steps", "2", "--export-dtype", "float32", root=root)
+    assert "step:  " not in again.stdout + again.stderr  # nothing trained
+    assert run.hf_weights_dtype(2) == "float32"
+    fp32 = tensors(run.step_dir(2) / rundir.HF_WEIGHTS)
+    assert all(torch.equal(fp32[k].to(torch.bfloat16), bf16[k]) for k in bf16)
+    assert manifest.check(export(run.path, dtype="float32"))["saved_dtype"] == "float32"
+    more = run_pipeline(*train, "--steps", "3", "--export-dtype", "float32", root=root)
+    logs = more.stdout + more.stderr
+    assert f"Loading the checkpoint from {run.path}/checkpoint/step-2" in logs and "Training starts at step 3" in logs
+    assert [m["step"] for m in read_metrics(run.path)] == [1, 2, 3]
+    assert run.hf_weights() == (3, run.step_dir(3) / rundir.HF_WEIGHTS) and run.hf_weights_dtype(3) == "float32"
