@@ -101,9 +101,14 @@ def _link(source: Path, target: Path) -> None:
         shutil.copyfile(source, target)
 
 
-def _checked(reader, key: str, where: Path):
+def _checked(reader, key: str, where: Path, mapped: bool = False):
+    """The tensor, read (or, `mapped`, a view of the file's pages: only looked at), refused unless finite."""
+    import warnings
+
     try:
-        tensor = reader.get(key)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # torch.from_numpy of a read-only map: only read here
+            tensor = reader.view(key) if mapped else reader.get(key)
     except (OSError, ValueError) as err:
         raise PipelineError(f"{where} cannot be read ({err}).",
                             f"delete {where.parent} and rerun the training command; it saves the model again.") from err
@@ -115,11 +120,13 @@ def _checked(reader, key: str, where: Path):
 
 def write_shards(saved: SavedModel, tmp: Path, dtype: str) -> dict[str, str]:
     """Each shard linked (the saved dtype) or cast tensor by tensor (a narrower one), every tensor
-    read and checked finite; returns file → sha256 for the cast ones (written and hashed at once)."""
+    read and checked finite; returns file → sha256: a linked shard's as the trainer hashed it when it
+    saved it (step-N/hf/.sha256.json), a cast one's as it is written."""
     from tqdm import tqdm
 
     total = sum(shard.stat().st_size for shard in saved.shards)
     hashes = {}
+    recorded = _recorded_hashes(saved.directory) if dtype == saved.dtype else {}
     with tqdm(total=total, unit="B", unit_scale=True, desc="export", disable=total < stream.PROGRESS_MIN_BYTES) as bar:
         for shard, name in saved.names().items():
             with stream.SafetensorsReader(shard) as reader:
@@ -127,7 +134,9 @@ def write_shards(saved: SavedModel, tmp: Path, dtype: str) -> dict[str, str]:
                 if dtype == saved.dtype:
                     _link(shard, tmp / name)
                     for key in keys:
-                        _checked(reader, key, shard)
+                        _checked(reader, key, shard, mapped=True)
+                    if shard.name in recorded and recorded[shard.name][1:] == _stat(shard):
+                        hashes[name] = recorded[shard.name][0]
                 else:
                     entries = [stream.Entry(k, dtype, saved.tensors[k].shape) for k in keys]
                     with stream.SafetensorsWriter(tmp / name, entries, metadata={"format": "pt"}, sync=False) as writer:
@@ -141,6 +150,21 @@ def write_shards(saved: SavedModel, tmp: Path, dtype: str) -> dict[str, str]:
         index = {"metadata": {"total_size": size}, "weight_map": dict(sorted(weight_map.items()))}
         (tmp / hf_dir.INDEX).write_text(json.dumps(index, indent=2) + "\n")
     return hashes
+
+
+def _recorded_hashes(directory: Path) -> dict[str, tuple[str, int, int]]:
+    """Shard → (sha256, bytes, mtime_ns) as the trainer recorded them; none for a save without them, or
+    unreadable ones (then the manifest hashes the files)."""
+    try:
+        recorded = json.loads((directory / rundir.HF_HASHES).read_text())
+        return {name: (str(v["sha256"]), int(v["bytes"]), int(v["mtime_ns"])) for name, v in recorded.items()}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return {}
+
+
+def _stat(path: Path) -> tuple[int, int]:
+    status = path.stat()
+    return status.st_size, status.st_mtime_ns
 
 
 def _torch():

@@ -40,6 +40,7 @@ CHECKPOINT = "checkpoint"
 # (torch.distributed.checkpoint.HuggingFaceStorageWriter) and deleted once consolidated.
 HF_WEIGHTS = "hf"
 HF_SHARDED = "sharded"
+HF_HASHES = ".sha256.json"  # in step-N/hf: each shard's sha256, hashed by the ranks as they saved it (export's manifest)
 ADAPTERS = "lora_adapters.safetensors"  # a LoRA run's last step: the adapters alone, torchtitan's keys
 DCP_METADATA = ".metadata"
 DCP_SHARD = re.compile(r"__(\d+)_\d+\.distcp")  # torch.distributed.checkpoint.filesystem: <prefix __rank_><n>.distcp

@@ -20,6 +20,7 @@ from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
+from pipeline.fsutil import atomic_write_text
 from pipeline.run import rundir
 from pipeline.run.rundir import RunDir
 from pipeline.titan import accessors
@@ -239,8 +240,7 @@ class WeightsCheckpointManager(accessors.checkpoint_manager_base()):
         dtype = self.export_dtype
         state = {k: v.to(dtype) if v.is_floating_point() and v.dtype != dtype else v for k, v in state}
         if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            shutil.rmtree(final, ignore_errors=True)  # a resumed run rewriting its last step in another dtype
+            shutil.rmtree(tmp, ignore_errors=True)  # what a save cut short left
         if distributed:
             torch.distributed.barrier()
         adapter = self.sd_adapter
@@ -253,15 +253,39 @@ class WeightsCheckpointManager(accessors.checkpoint_manager_base()):
         del state
         if distributed:
             torch.distributed.barrier()
+        hashes = self._hash_shards(tmp, rank, torch.distributed.get_world_size() if distributed else 1)
         if rank == 0:
+            atomic_write_text(tmp / rundir.HF_HASHES, json.dumps(hashes, indent=1, sort_keys=True) + "\n")
             shutil.rmtree(tmp / rundir.HF_SHARDED, ignore_errors=True)
             if adapters is not None:  # before the weights: a step with weights has its adapters too
                 save_file(dict(adapters), str(directory / f".{rundir.ADAPTERS}.tmp"), metadata={"format": "pt"})
                 os.replace(directory / f".{rundir.ADAPTERS}.tmp", directory / rundir.ADAPTERS)
+            # A resumed run saving its last step again (another dtype): the old save goes only once the new is whole.
+            aside = directory / f".{rundir.HF_WEIGHTS}.old"
+            if final.exists():
+                shutil.rmtree(aside, ignore_errors=True)
+                os.replace(final, aside)
             os.replace(tmp, final)
+            shutil.rmtree(aside, ignore_errors=True)
             logger.info(f"Saved the model of step {step} in HF safetensors to {final}")
         if distributed:
             torch.distributed.barrier()
+
+
+    @staticmethod
+    def _hash_shards(directory: Path, rank: int, world: int) -> dict[str, dict]:
+        """Every shard's sha256, size and mtime, each rank hashing its share: export's manifest takes a
+        linked shard's hash from here while the file's size and mtime are still these."""
+        from pipeline.checkpoint import manifest
+
+        shards = sorted(directory.glob("*.safetensors"))
+        mine = {p.name: {"sha256": manifest.sha256(p), "bytes": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns}
+                for i, p in enumerate(shards) if i % world == rank}
+        if world == 1:
+            return mine
+        every: list = [None] * world
+        torch.distributed.all_gather_object(every, mine)
+        return {name: digest for part in every for name, digest in part.items()}
 
 
 class _StoredTiedHead:

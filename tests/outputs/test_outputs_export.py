@@ -43,6 +43,11 @@ def test_trainer_wrote_step0_and_step2_weights(export_runs):
             assert (path / rundir.HF_WEIGHTS).is_dir() and (path / ".metadata").exists()
         assert run.hf_weights() == (TRAINED_STEPS, steps[TRAINED_STEPS] / rundir.HF_WEIGHTS)
         assert run.hf_weights_dtype(TRAINED_STEPS) == "float32"  # the fixture's --export-dtype
+        saves = [json.loads(line) for line in run.saves.read_text().splitlines()]
+        assert [s["step"] for s in saves] == [0, TRAINED_STEPS]  # both were a run's last step
+        for save in saves:
+            saved = steps[save["step"]] / rundir.HF_WEIGHTS
+            assert save["hf_bytes"] == sum(p.stat().st_size for p in saved.iterdir()) and save["hf_s"] > 0
         assert [m["step"] for m in read_metrics(run.path)] == [1, 2]
 
 
@@ -53,7 +58,10 @@ def test_the_hf_save_has_the_source_shards_and_nothing_else(export_runs):
         source = source_dir(export_runs, model)
         for step_dir in RunDir(runs_dir(export_runs, model, "native")).checkpoint_steps().values():
             saved = step_dir / rundir.HF_WEIGHTS
-            assert sorted(p.name for p in saved.iterdir()) == sorted(p.name for p in source.glob("model*"))
+            assert sorted(p.name for p in saved.iterdir()) == sorted([rundir.HF_HASHES, *(p.name for p in source.glob("model*"))])
+            recorded = json.loads((saved / rundir.HF_HASHES).read_text())  # hashed by the ranks that saved them
+            assert {name: r["sha256"] for name, r in recorded.items()} == \
+                {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in saved.glob("*.safetensors")}
             assert json.loads((saved / hf_dir.INDEX).read_text())["weight_map"] == \
                 json.loads((source / hf_dir.INDEX).read_text())["weight_map"]
             assert not list(step_dir.glob("*.safetensors")) and not list(step_dir.glob(".*.tmp"))
