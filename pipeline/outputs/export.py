@@ -122,6 +122,7 @@ def write_shards(saved: SavedModel, tmp: Path, dtype: str) -> dict[str, str]:
     """Each shard linked (the saved dtype) or cast tensor by tensor (a narrower one), every tensor
     read and checked finite; returns file → sha256: a linked shard's as the trainer hashed it when it
     saved it (step-N/hf/.sha256.json), a cast one's as it is written."""
+    import torch
     from tqdm import tqdm
 
     total = sum(shard.stat().st_size for shard in saved.shards)
@@ -141,12 +142,12 @@ def write_shards(saved: SavedModel, tmp: Path, dtype: str) -> dict[str, str]:
                     entries = [stream.Entry(k, dtype, saved.tensors[k].shape) for k in keys]
                     with stream.SafetensorsWriter(tmp / name, entries, metadata={"format": "pt"}, sync=False) as writer:
                         for key in keys:
-                            writer.write(_checked(reader, key, shard).to(getattr(_torch(), dtype)))
+                            writer.write(_checked(reader, key, shard).to(getattr(torch, dtype)))
                         hashes[name] = writer.close()
             bar.update(shard.stat().st_size)
     if len(saved.shards) > 1:
         weight_map = {key: info.shard for key, info in saved.tensors.items()}
-        size = sum(dtypes.DTYPES[dtype].bytes * _numel(info.shape) for info in saved.tensors.values())
+        size = sum(stream.Entry(key, dtype, info.shape).nbytes for key, info in saved.tensors.items())
         index = {"metadata": {"total_size": size}, "weight_map": dict(sorted(weight_map.items()))}
         (tmp / hf_dir.INDEX).write_text(json.dumps(index, indent=2) + "\n")
     return hashes
@@ -165,19 +166,6 @@ def _recorded_hashes(directory: Path) -> dict[str, tuple[str, int, int]]:
 def _stat(path: Path) -> tuple[int, int]:
     status = path.stat()
     return status.st_size, status.st_mtime_ns
-
-
-def _torch():
-    import torch
-
-    return torch
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 def write_config(source: Path, tmp: Path, dtype: str, arch: Qwen3Arch) -> None:
