@@ -1,14 +1,6 @@
-"""pipeline/stages/image.py: the image, built and run by a real Docker engine (collected only with
-PIPELINE_CONTAINER_TESTS=1, see tests/conftest.py).
-
-No registry is reachable here, so the base is a Debian bookworm (Python 3.11, like the CPU
-wheels, plus g++ and Python headers for inductor) made with mmdebstrap and imported. The test
-image is the same Dockerfile with requirements-dev.lock minus the test runner: torch 2.14.1's
-CUDA build and its NVIDIA wheels are heavy (a 3.1 GB wheelhouse, a 6.3 GiB image, measured
-2026-11-30), but the only CPU build on local disk, torch 2.13.0+cpu, cannot run
-torchtitan 0.3.0 (its FSDP needs torch 2.14: "When dp_mesh_dims is provided, all parameters
-must be DTensors"). The wheelhouse is made inside that base by the same code `make image` uses,
-from the local pip indexes mounted in.
+"""pipeline/host/image.py: the image, built and run by a real Docker engine (collected only with
+PIPELINE_CONTAINER_TESTS=1, see tests/conftest.py). The base and the test image: container_image.py
+(which .ci/run also runs in the background, ahead of these tests).
 Engine: DOCKER_HOST if it answers, else one started with .ci/dockerd.sh (root); skipped only
 when neither works.
 """
@@ -17,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
 import stat
@@ -28,21 +19,13 @@ from pathlib import Path
 
 import pytest
 
+import container_image
+from container_image import BASE_TAG, MEASURE, PIP_ENV, PIP_MOUNTS
 from pipeline.run.image import default_tag, lock_sha256
 from pipeline.host import image as image_stage
 from helpers import REPO, copy_model, read_metrics, run_dir, run_pipeline
 
-# torchtitan compiles its flex-attention block mask with torch.compile even when the model runs
-# eagerly, so inductor needs a C++ compiler and Python headers in the image, as on the host.
-BASE_TAG = "local/debian-py311-gxx:bookworm"
 TEST_DOCKERD_DIR = "/tmp/pipeline-dockerd-tests"
-# triton and the NVIDIA wheels stay: torchtitan 0.3.0 imports triton, torch's CUDA build loads cudart.
-NOT_IN_CPU_IMAGE = re.compile(r"^(pytest==|iniconfig==|pluggy==)", re.I)
-# This machine's pip setup (`pip config list`): PyPI plus local file indexes and CA certificates.
-PIP_MOUNTS = tuple(p for p in ("/opt/pypi", "/opt/pypi-more", "/opt/wheels", "/etc/ssl/certs") if Path(p).is_dir())
-PIP_ENV = {"PIP_EXTRA_INDEX_URL": "file:///opt/pypi/simple file:///opt/pypi-more/simple", "PIP_FIND_LINKS": "/opt/wheels",
-           "PIP_CERT": "/etc/ssl/certs/ca-certificates.crt", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
-MEASURE = Path(os.environ.get("PIPELINE_MEASURE_DIR", "/tmp")) / "container-measurements.json"
 
 
 def _engine_or_none():
@@ -87,45 +70,17 @@ def engine():
 
 @pytest.fixture(scope="session")
 def base_image(engine, tmp_path_factory) -> str:
-    import docker
-
-    try:
-        engine.images.get(BASE_TAG)
-        return BASE_TAG
-    except docker.errors.ImageNotFound:
-        pass
-    assert shutil.which("mmdebstrap"), "mmdebstrap is needed to make the local base: apt-get install -y mmdebstrap"
-    rootfs = tmp_path_factory.mktemp("base") / "rootfs.tar"
-    subprocess.run(["mmdebstrap", "--quiet", "--variant=minbase", "--include=python3,python3-venv,python3-dev,g++", "bookworm",
-                    str(rootfs)], check=True, timeout=900)
-    engine.api.import_image_from_file(str(rootfs), repository=BASE_TAG.split(":")[0], tag=BASE_TAG.split(":")[1])
-    return BASE_TAG
+    return container_image.base_image(engine, tmp_path_factory.mktemp("base"))
 
 
 @pytest.fixture(scope="session")
 def cpu_lock(tmp_path_factory) -> Path:
-    lines = []
-    for line in (REPO / "requirements-dev.lock").read_text().splitlines():
-        if not line.strip() or line.startswith("#") or NOT_IN_CPU_IMAGE.match(line):
-            continue
-        lines.append(line)
-    assert any(line.startswith("torch==") for line in lines), "requirements-dev.lock no longer pins torch"
-    lock = tmp_path_factory.mktemp("lock") / "requirements-cpu-test.lock"
-    lock.write_text("# requirements-dev.lock for a CPU test image (tests/host/test_host_image.py)\n" + "\n".join(lines) + "\n")
-    return lock
+    return container_image.cpu_lock(tmp_path_factory.mktemp("lock"))
 
 
 @pytest.fixture(scope="session")
 def image(engine, base_image, cpu_lock) -> dict:
-    # The wheelhouse is keyed by the lock's hash and kept between sessions: it is the slow part.
-    wheelhouse = Path("/tmp/pipeline-wheelhouse") / lock_sha256(cpu_lock)[:12]
-    spec = image_stage.BuildSpec(base_image=base_image, lock=cpu_lock, tag=default_tag(cpu_lock),
-                                 wheelhouse=wheelhouse, pip_mounts=PIP_MOUNTS)
-    os.environ.update(PIP_ENV)
-    built = image_stage.build(spec, engine)
-    MEASURE.write_text(json.dumps({"build_seconds": built["seconds"], "image_bytes": built["size_bytes"],
-                                   "tag": built["tag"]}, indent=2))
-    return built
+    return container_image.build(engine, base_image, cpu_lock)
 
 
 def test_dockerfile_passes_hadolint():
