@@ -22,7 +22,7 @@ from pipeline.checkpoint import corpus
 from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_write_text
 from pipeline.run import store
-from pipeline.training.data_files import copy_hub_dataset, parse_columns, write_chat_data, write_local_data
+from pipeline.training.data_files import copy_hub_dataset, parse_columns, write_embedded_data
 from pipeline.training.dataset import HUB_ID, hub_copy
 
 
@@ -64,9 +64,10 @@ def run(args: argparse.Namespace) -> Path | None:
                 raise PipelineError(f"split {args.eval_split!r} is {held_form} data and {split!r} is {form}.",
                                     "give a held-out split of the same kind.")
             print(f"held out for eval: split {args.eval_split!r}, {count} records → {held}")
-    written = write_local_data(home.data_file)
-    print(f"training data: {written} ({len(corpus.held_out_documents())} held-out documents, "
-          f"corpus sha256 {corpus.checked_fingerprint()[:12]})")
-    chat, held, n_train, n_held = write_chat_data(home.data_file)
-    print(f"chat data (DATASET=chat): {chat} ({n_train} conversations), held out for eval: {held} ({n_held})")
-    return written
+    made = write_embedded_data(home.data_file)
+    state = " (up to date)" if made.reused else ""
+    print(f"training data{state}: {made.train} ({made.counts['documents']} held-out documents, "
+          f"corpus sha256 {corpus.SHA256[:12]})")
+    print(f"chat data (DATASET=chat){state}: {made.chat} ({made.counts['conversations']} conversations), "
+          f"held out for eval: {made.chat_eval} ({made.counts['held_out']})")
+    return made.train

@@ -78,6 +78,8 @@ GLUE_INTERNALS = {
         Internal("torchtitan.components.metrics", "build_device_memory_monitor", "CPU memory statistics"),
         Internal("torchtitan.distributed.utils", "set_pg_timeouts", "a gloo barrier without device ids"),
         Internal("torchtitan.models.common.decoder", "create_attention_mask", "CPU masks without the compiled search"),
+        Internal("torchtitan.models.common.attention", "FlexAttention._compiled_flex_attn",
+                 "flex_attention compiled on first call (never called on CPU)"),
     ),
     "trn2": (Internal("torchtitan.components.metrics", "build_device_memory_monitor",
                       "synchronize before memory statistics"),),

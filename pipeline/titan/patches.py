@@ -13,6 +13,7 @@ collectives). Private torchtitan names are reached only through `pipeline.titan.
 
 from __future__ import annotations
 
+import functools
 import resource
 import sys
 
@@ -106,6 +107,38 @@ def _cpu_barrier() -> None:
     dist_utils.set_pg_timeouts = set_pg_timeouts
 
 
+def _cpu_flex_compiled_on_first_call() -> None:
+    # torchtitan.models.common.attention calls torch.compile(flex_attention, options=...) in the body of
+    # class FlexAttention, and torch.compile with options imports inductor's compile_fx to check them:
+    # ~0.45 s of every rank's start (python -X importtime, 2 cores). On CPU every attention layer is
+    # DenseMaskAttention (pipeline/models/cpu_overrides.py), so that compiled function is never called.
+    # Importing the module while torch.compile answers a function that calls the real torch.compile
+    # on its first call gives the same compiled function, later, and only if it is ever used.
+    import torch
+
+    real = torch.compile
+
+    def compile_on_first_call(model=None, **options):
+        if model is None:  # the decorator form: nothing to defer
+            return real(**options)
+        compiled = None
+
+        @functools.wraps(model)
+        def first_call_compiles(*args, **kwargs):
+            nonlocal compiled
+            if compiled is None:
+                compiled = torch.compile(model, **options)
+            return compiled(*args, **kwargs)
+
+        return first_call_compiles
+
+    torch.compile = compile_on_first_call
+    try:
+        import torchtitan.models.common.attention  # noqa: F401
+    finally:
+        torch.compile = real
+
+
 def _cpu_attention_masks() -> None:
     # torchtitan builds each batch's mask with torch.compile(create_block_mask), even with compile
     # off: step 1 traces it and builds C++ with g++ (seconds of step 1; later steps re-run it) to
@@ -170,6 +203,7 @@ def _neuron_memory_monitor() -> None:
 
 # What each target needs before torchtitan is imported (targets without an entry need nothing).
 _GLUE = {
-    "cpu": (_select_cpu_device, _cpu_memory_monitor, _gloo_sum_reductions, _cpu_barrier, _cpu_attention_masks),
+    "cpu": (_select_cpu_device, _cpu_memory_monitor, _gloo_sum_reductions, _cpu_barrier, _cpu_flex_compiled_on_first_call,
+            _cpu_attention_masks),
     "trn2": (_neuron_memory_monitor,),
 }

@@ -3,7 +3,9 @@ a Hub dataset's split copied in the pipeline's columns (read back by pipeline.tr
 
 from __future__ import annotations
 
+import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.checkpoint import corpus
@@ -57,6 +59,53 @@ def write_chat_data(train_file: Path) -> tuple[Path, Path, int, int]:
     for path, rows in zip(paths, (train, held)):
         atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
     return *paths, len(train), len(held)
+
+
+EMBEDDED_STAMP = ".embedded.json"  # beside train.jsonl: what made the embedded data files, and their sha256
+
+
+@dataclass(frozen=True)
+class EmbeddedData:
+    train: Path
+    chat: Path
+    chat_eval: Path
+    counts: dict[str, int]  # documents, conversations, held-out conversations
+    reused: bool
+
+
+def _maker() -> dict:
+    """What the embedded data files are a function of: the pinned corpus and the code that cuts them."""
+    return {"corpus_sha256": corpus.SHA256, "transformers": corpus.TRANSFORMERS_VERSION,
+            "maker_sha256": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()}
+
+
+def _sha256(path: Path) -> str | None:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+
+
+def write_embedded_data(train_file: Path) -> EmbeddedData:
+    """train.jsonl, chat.jsonl and chat_eval.jsonl, rewritten only when the stamp beside them does not
+    say they are exactly what this code makes of the pinned corpus (re-cutting it parses ~100
+    transformers sources: most of `make data`'s time, paid before every training run)."""
+    corpus._transformers_dir()  # refuses another transformers release, whose sources would be another corpus
+    chat, chat_eval = train_file.with_name(CHAT_FILE), train_file.with_name(CHAT_EVAL_FILE)
+    stamp = train_file.with_name(EMBEDDED_STAMP)
+    try:
+        recorded = json.loads(stamp.read_text())
+    except (OSError, ValueError):
+        recorded = {}
+    if recorded.get("maker") == _maker() and all(
+            recorded.get("files", {}).get(p.name) == _sha256(p) for p in (train_file, chat, chat_eval)):
+        return EmbeddedData(train_file, chat, chat_eval, recorded["counts"], reused=True)
+    stamp.unlink(missing_ok=True)  # no stamp describes files being rewritten
+    corpus.checked_fingerprint()
+    write_local_data(train_file)
+    _, _, n_train, n_held = write_chat_data(train_file)
+    counts = {"documents": len(corpus.held_out_documents()), "conversations": n_train, "held_out": n_held}
+    atomic_write_text(stamp, json.dumps({"maker": _maker(), "counts": counts,
+                                         "files": {p.name: _sha256(p) for p in (train_file, chat, chat_eval)}},
+                                        indent=2) + "\n")
+    return EmbeddedData(train_file, chat, chat_eval, counts, reused=False)
 
 
 OUR_COLUMNS = ("messages", "prompt", "completion", "text")

@@ -1,5 +1,6 @@
-"""titan/patches.py on trn2: memory statistics are read only after torch.neuron.synchronize()
-(issue 12, finding 13; torch/guides/memory-profiling-guide in shared/notes/neuron.md)."""
+"""titan/patches.py: on trn2, memory statistics are read only after torch.neuron.synchronize()
+(issue 12, finding 13; torch/guides/memory-profiling-guide in shared/notes/neuron.md); on CPU, torchtitan's
+compiled flex_attention is made on its first call (issue 22, item 3)."""
 
 from __future__ import annotations
 
@@ -83,3 +84,29 @@ def test_memory_json_reads_the_synchronized_monitor(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     # synchronized before the one read at the end; the larger peak a logged step read (5.0) is kept
     assert result.stdout.strip().splitlines()[-1] == "['synchronize', 'stats'] [5.0]"
+
+
+# On CPU the compiled flex_attention torchtitan makes in FlexAttention's class body is made on its first
+# call: importing torchtitan's attention does not import inductor, torch.compile is torch's own again
+# afterwards, and the first call compiles (once) with the options torchtitan gave.
+DEFERRED_COMPILE_PROBE = """
+import sys, torch
+real = torch.compile
+from pipeline.titan import patches
+patches.apply("cpu")
+import torchtitan.models.common.decoder
+from torchtitan.models.common.attention import FlexAttention
+print("compile_fx imported:", "torch._inductor.compile_fx" in sys.modules, "restored:", torch.compile is real)
+compiled = []
+torch.compile = lambda fn, **options: compiled.append(sorted(options["options"])) or (lambda *a, **k: ("ran", a))
+print(FlexAttention._compiled_flex_attn(1, 2), FlexAttention._compiled_flex_attn(3), compiled)
+"""
+
+
+def test_cpu_ranks_compile_flex_attention_only_when_called():
+    result = subprocess.run([sys.executable, "-c", DEFERRED_COMPILE_PROBE], cwd=REPO, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = result.stdout.strip().splitlines()
+    assert out[-2] == "compile_fx imported: False restored: True"
+    assert out[-1].startswith("('ran', (1, 2)) ('ran', (3,)) [[") and out[-1].count("max_autotune") == 1
