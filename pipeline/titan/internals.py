@@ -80,6 +80,7 @@ GLUE_INTERNALS = {
         Internal("torchtitan.models.common.decoder", "create_attention_mask", "CPU masks without the compiled search"),
         Internal("torchtitan.models.common.attention", "FlexAttention._compiled_flex_attn",
                  "flex_attention compiled on first call (never called on CPU)"),
+        Internal("torchtitan.distributed.utils", "set_determinism", "its flex_attention compiled on first call"),
     ),
     "trn2": (Internal("torchtitan.components.metrics", "build_device_memory_monitor",
                       "synchronize before memory statistics"),),

@@ -13,6 +13,7 @@ collectives). Private torchtitan names are reached only through `pipeline.titan.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import resource
 import sys
@@ -107,13 +108,10 @@ def _cpu_barrier() -> None:
     dist_utils.set_pg_timeouts = set_pg_timeouts
 
 
-def _cpu_flex_compiled_on_first_call() -> None:
-    # torchtitan.models.common.attention calls torch.compile(flex_attention, options=...) in the body of
-    # class FlexAttention, and torch.compile with options imports inductor's compile_fx to check them:
-    # ~0.45 s of every rank's start (python -X importtime, 2 cores). On CPU every attention layer is
-    # DenseMaskAttention (pipeline/models/cpu_overrides.py), so that compiled function is never called.
-    # Importing the module while torch.compile answers a function that calls the real torch.compile
-    # on its first call gives the same compiled function, later, and only if it is ever used.
+@contextlib.contextmanager
+def _torch_compile_on_first_call():
+    """While inside, torch.compile(fn, ...) answers a function that calls the real torch.compile on its
+    first call: the same compiled function, made later, and only if it is ever called."""
     import torch
 
     real = torch.compile
@@ -134,9 +132,29 @@ def _cpu_flex_compiled_on_first_call() -> None:
 
     torch.compile = compile_on_first_call
     try:
-        import torchtitan.models.common.attention  # noqa: F401
+        yield
     finally:
         torch.compile = real
+
+
+def _cpu_flex_compiled_on_first_call() -> None:
+    # torchtitan compiles flex_attention in class FlexAttention's body, and set_determinism (our CPU runs
+    # are deterministic) compiles it again without autotuning; torch.compile with options imports
+    # inductor's compile_fx to check them: ~0.45 s of every rank's start (python -X importtime, 2 cores).
+    # On CPU every attention layer is DenseMaskAttention (pipeline/models/cpu_overrides.py), so that
+    # compiled function is never called: both make it on its first call instead.
+    import torchtitan.distributed.utils as dist_utils
+
+    with _torch_compile_on_first_call():
+        import torchtitan.models.common.attention  # noqa: F401
+    set_determinism = dist_utils.set_determinism
+
+    @functools.wraps(set_determinism)
+    def set_determinism_compiling_on_first_call(*args, **kwargs):
+        with _torch_compile_on_first_call():
+            return set_determinism(*args, **kwargs)
+
+    dist_utils.set_determinism = set_determinism_compiling_on_first_call
 
 
 def _cpu_attention_masks() -> None:

@@ -96,6 +96,11 @@ from pipeline.titan import patches
 patches.apply("cpu")
 import torchtitan.models.common.decoder
 from torchtitan.models.common.attention import FlexAttention
+import torchtitan.distributed.utils as dist_utils
+from torchtitan.config.configs import DebugConfig
+from torchtitan.distributed.parallel_dims import ParallelDims
+dims = ParallelDims(dp_shard=1, dp_replicate=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
+dist_utils.set_determinism(dims, torch.device("cpu"), DebugConfig(deterministic=True, seed=0), distinct_seed_mesh_dims=["pp"])
 print("compile_fx imported:", "torch._inductor.compile_fx" in sys.modules, "restored:", torch.compile is real)
 compiled = []
 torch.compile = lambda fn, **options: compiled.append(sorted(options["options"])) or (lambda *a, **k: ("ran", a))
