@@ -62,6 +62,15 @@ def atomic_write_text(path: Path, text: str) -> None:
         raise
 
 
+def fsync_file(path: Path) -> None:
+    """Flush a file (or a directory's entries) that another writer left in the page cache to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 # What a config-sized file may weigh: every config.json and TOML the pipeline reads is a few KiB; a
 # model's safetensors index is under 2 MiB even for the largest Qwen3.
 SMALL_FILE_BYTES = 1 << 20

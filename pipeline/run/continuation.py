@@ -73,7 +73,7 @@ def check_continues(run: RunDir, spec) -> None:
         recorded = json.loads(run.run_json.read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise PipelineError(f"{run.run_json} is unreadable ({err}); the run there cannot be continued.",
-                            f"start it again with FRESH=1, or give the new run another RUN_NAME.") from err
+                            "start it again with FRESH=1, or give the new run another RUN_NAME.") from err
     ways_on = (f"give the new experiment its own name (RUN_NAME=<name>), or discard run {run_name!r} with FRESH=1")
     recorded = _with_defaults(recorded)
     changed = differences(recorded, spec.to_dict())

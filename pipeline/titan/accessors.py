@@ -60,7 +60,8 @@ def router_forces_load_balance(router_config) -> bool:
 
 def checkpoint_manager_base():
     """torchtitan's CheckpointManager with public hooks, `before_save(step, last_step)`,
-    `after_save(step, last_step)` and `after_load(step, loaded)`, plus `step_folder(step)`;
+    `after_save(step, last_step)` and `after_load(step, loaded)`, plus `step_folder(step)` and
+    `save_model_in_hf(state, checkpoint_id, wrap_adapter)`;
     titan/trainer.py subclasses this instead of overriding private methods."""
     global _HOOKED
     if _HOOKED is None:
@@ -95,6 +96,20 @@ def _make_hooked_checkpoint_manager():
 
         def step_folder(self, step: int) -> str:
             return self._create_checkpoint_id(step)
+
+        def save_model_in_hf(self, state: dict, checkpoint_id: str, wrap_adapter=None) -> None:
+            """`state` through torchtitan's HF writer (its public dcp_save with to_hf, synchronous), the
+            run's state-dict adapter wrapped by `wrap_adapter` for this one save. `sd_adapter` is the
+            attribute dcp_save converts through, on 0.3.0 and main alike."""
+            from torchtitan.components.checkpointer import AsyncMode
+
+            adapter = self.sd_adapter
+            if wrap_adapter is not None:
+                self.sd_adapter = wrap_adapter(adapter)
+            try:
+                self.dcp_save(state, checkpoint_id=checkpoint_id, async_mode=AsyncMode.DISABLED, to_hf=True)
+            finally:
+                self.sd_adapter = adapter
 
         def before_save(self, step: int, last_step: bool) -> None:
             pass

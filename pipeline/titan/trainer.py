@@ -20,7 +20,7 @@ from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
-from pipeline.fsutil import atomic_write_text
+from pipeline.fsutil import atomic_write_text, fsync_file
 from pipeline.run import rundir
 from pipeline.run.rundir import RunDir
 from pipeline.titan import accessors
@@ -223,8 +223,6 @@ class WeightsCheckpointManager(accessors.checkpoint_manager_base()):
         is ever named hf); DCP's per-rank shards are deleted after consolidation."""
         import shutil
 
-        from torchtitan.components.checkpointer import AsyncMode
-
         distributed = torch.distributed.is_initialized()
         rank = torch.distributed.get_rank() if distributed else 0
         directory = Path(self.step_folder(step))
@@ -243,13 +241,7 @@ class WeightsCheckpointManager(accessors.checkpoint_manager_base()):
             shutil.rmtree(tmp, ignore_errors=True)  # what a save cut short left
         if distributed:
             torch.distributed.barrier()
-        adapter = self.sd_adapter
-        if self.stored_tied_head:
-            self.sd_adapter = _StoredTiedHead(adapter)
-        try:
-            self.dcp_save(state, checkpoint_id=str(tmp), async_mode=AsyncMode.DISABLED, to_hf=True)
-        finally:
-            self.sd_adapter = adapter
+        self.save_model_in_hf(state, str(tmp), _StoredTiedHead if self.stored_tied_head else None)
         del state
         if distributed:
             torch.distributed.barrier()
@@ -266,6 +258,7 @@ class WeightsCheckpointManager(accessors.checkpoint_manager_base()):
                 shutil.rmtree(aside, ignore_errors=True)
                 os.replace(final, aside)
             os.replace(tmp, final)
+            fsync_file(directory)  # the rename itself
             shutil.rmtree(aside, ignore_errors=True)
             logger.info(f"Saved the model of step {step} in HF safetensors to {final}")
         if distributed:
@@ -281,6 +274,10 @@ class WeightsCheckpointManager(accessors.checkpoint_manager_base()):
         shards = sorted(directory.glob("*.safetensors"))
         mine = {p.name: {"sha256": manifest.sha256(p), "bytes": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns}
                 for i, p in enumerate(shards) if i % world == rank}
+        # torch's consolidation does not fsync what it writes: on disk before the save is named hf.
+        rest = [p for p in directory.iterdir() if p.is_file() and p.suffix != ".safetensors"] if rank == 0 else []
+        for path in [directory / name for name in mine] + rest:
+            fsync_file(path)
         if world == 1:
             return mine
         every: list = [None] * world

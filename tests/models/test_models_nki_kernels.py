@@ -63,7 +63,7 @@ def nki_stand_ins(monkeypatch):
         return "moe output"
 
     def wrap_nki(kernel):
-        sign, func = kernel.sign, kernel.func  # what the real wrap_nki reads: a plain function has neither
+        _sign, func = kernel.sign, kernel.func  # what the real wrap_nki reads: a plain function has neither
         calls.setdefault("wrapped", []).append(func.__name__)
 
         class Caller:
