@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -195,12 +194,9 @@ def export(config: ExportConfig) -> Path:
                             f"({config.run.run_json}).", "re-download the source checkpoint the run was trained from.")
     saved = saved_model(config.run, config.step, source_report.tensors)
     check_dtype(saved, config.dtype)
-    with atomic_directory(config.target, replace=config.force) as tmp, ThreadPoolExecutor(1) as beside:
-        # transformers' config round trip is mostly its lazy imports (Python, ~0.4 s: a third of a 1.1 GiB
-        # export), the shard checks are torch reductions that release the GIL: on two cores they overlap.
-        config_written = beside.submit(write_config, source, tmp, config.dtype, arch)
+    with atomic_directory(config.target, replace=config.force) as tmp:
         hashes = write_shards(saved, tmp, config.dtype)
-        config_written.result()
+        write_config(source, tmp, config.dtype, arch)
         for name in hf_dir.CARRIED_FILES:
             if (source / name).exists():
                 shutil.copy2(source / name, tmp / name)

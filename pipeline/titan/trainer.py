@@ -267,8 +267,8 @@ class WeightsCheckpointManager(accessors.checkpoint_manager_base()):
 
     @staticmethod
     def _hash_shards(directory: Path, rank: int, world: int) -> dict[str, dict]:
-        """Every shard's sha256, size and mtime, each rank hashing its share: export's manifest takes a
-        linked shard's hash from here while the file's size and mtime are still these."""
+        """Every shard's sha256, size and mtime, each rank hashing (and fsyncing) its share: export's
+        manifest takes a linked shard's hash from here while the file's size and mtime are still these."""
         from pipeline.checkpoint import manifest
 
         shards = sorted(directory.glob("*.safetensors"))

@@ -74,3 +74,18 @@ def test_writing_other_than_declared_is_refused(tmp_path):
             writer.close()
     with pytest.raises(ValueError, match="given twice"):
         stream.layout([entries[0], entries[0]])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_finite_finds_every_nan_and_infinity_and_survives_an_overflowing_sum(dtype):
+    dtype = getattr(torch, dtype)
+    big = torch.finfo(dtype).max
+    assert stream.finite(torch.full((4096,), big, dtype=dtype))  # the sum overflows: the exact check decides
+    assert stream.finite(torch.zeros(0, dtype=dtype))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        tensor = torch.randn(1000, dtype=torch.float32).to(dtype)
+        tensor[417] = bad
+        assert not stream.finite(tensor), bad
+    both = torch.zeros(8, dtype=dtype)
+    both[0], both[1] = float("inf"), -float("inf")
+    assert not stream.finite(both)
