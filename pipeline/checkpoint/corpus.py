@@ -25,7 +25,7 @@ HELD_OUT_EVERY = 10
 MIN_CHARS = 300
 
 
-def _transformers_dir() -> Path:
+def transformers_dir() -> Path:
     spec = util.find_spec("transformers")
     if spec is None or spec.origin is None:
         raise PipelineError("transformers is not installed.", "run `make setup`.")
@@ -39,7 +39,7 @@ def _transformers_dir() -> Path:
 
 @cache
 def documents() -> tuple[str, ...]:
-    root = _transformers_dir()
+    root = transformers_dir()
     docs, seen = [], set()
     for file in sorted(root.glob("*.py")) + sorted(root.glob("generation/*.py")):
         tree = ast.parse(file.read_text(encoding="utf-8"))

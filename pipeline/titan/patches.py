@@ -221,7 +221,7 @@ def _neuron_memory_monitor() -> None:
 
 # What each target needs before torchtitan is imported (targets without an entry need nothing).
 _GLUE = {
-    "cpu": (_select_cpu_device, _cpu_memory_monitor, _gloo_sum_reductions, _cpu_barrier, _cpu_flex_compiled_on_first_call,
-            _cpu_attention_masks),
+    "cpu": (_select_cpu_device, _cpu_memory_monitor, _gloo_sum_reductions, _cpu_barrier,
+            _cpu_flex_compiled_on_first_call, _cpu_attention_masks),
     "trn2": (_neuron_memory_monitor,),
 }

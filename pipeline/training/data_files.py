@@ -87,16 +87,16 @@ def write_embedded_data(train_file: Path) -> EmbeddedData:
     """train.jsonl, chat.jsonl and chat_eval.jsonl, rewritten only when the stamp beside them does not
     say they are exactly what this code makes of the pinned corpus (re-cutting it parses ~100
     transformers sources: most of `make data`'s time, paid before every training run)."""
-    corpus._transformers_dir()  # refuses another transformers release, whose sources would be another corpus
+    corpus.transformers_dir()  # refuses another transformers release: its sources would be another corpus
     chat, chat_eval = train_file.with_name(CHAT_FILE), train_file.with_name(CHAT_EVAL_FILE)
     stamp = train_file.with_name(EMBEDDED_STAMP)
     try:
         recorded = json.loads(stamp.read_text())
-    except (OSError, ValueError):
-        recorded = {}
-    if recorded.get("maker") == _maker() and all(
-            recorded.get("files", {}).get(p.name) == _sha256(p) for p in (train_file, chat, chat_eval)):
-        return EmbeddedData(train_file, chat, chat_eval, recorded["counts"], reused=True)
+        if recorded["maker"] == _maker() and all(
+                recorded["files"][p.name] == _sha256(p) for p in (train_file, chat, chat_eval)):
+            return EmbeddedData(train_file, chat, chat_eval, dict(recorded["counts"]), reused=True)
+    except (OSError, ValueError, TypeError, KeyError):  # no stamp, or not one this code wrote: cut them again
+        pass
     stamp.unlink(missing_ok=True)  # no stamp describes files being rewritten
     corpus.checked_fingerprint()
     write_local_data(train_file)

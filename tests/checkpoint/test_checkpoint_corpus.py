@@ -20,7 +20,7 @@ def test_the_corpus_is_the_pinned_one():
 
 
 def test_it_is_read_from_transformers_not_from_the_interpreter():
-    root = corpus._transformers_dir()
+    root = corpus.transformers_dir()
     assert metadata.version("transformers") == corpus.TRANSFORMERS_VERSION
     assert root.name == "transformers" and not str(root).startswith(sys.base_prefix + "/lib/python")
 
@@ -44,7 +44,7 @@ def test_another_transformers_is_refused(monkeypatch):
     real = metadata.version
     monkeypatch.setattr(corpus.metadata, "version", lambda name: "5.17.0" if name == "transformers" else real(name))
     with pytest.raises(PipelineError, match="read from transformers 5.16.0, this environment has 5.17.0"):
-        corpus._transformers_dir()
+        corpus.transformers_dir()
 
 
 def test_the_data_stage_writes_the_held_out_documents(tmp_path):

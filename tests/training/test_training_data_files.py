@@ -30,3 +30,13 @@ def test_embedded_data_is_reused_only_while_its_stamp_matches(tmp_path, monkeypa
     stamp.write_text(json.dumps(recorded))
     assert not data_files.write_embedded_data(train).reused and len(cuts) == 2
     assert data_files.write_embedded_data(train).reused
+
+
+def test_a_stamp_that_is_not_ours_means_the_files_are_cut_again(tmp_path):
+    train = tmp_path / "train.jsonl"
+    data_files.write_embedded_data(train)
+    stamp = train.with_name(data_files.EMBEDDED_STAMP)
+    for foreign in ("[1, 2]", "{}", '{"maker": 3}', "not json"):
+        stamp.write_text(foreign)
+        assert not data_files.write_embedded_data(train).reused, foreign
+        assert data_files.write_embedded_data(train).reused
