@@ -3,12 +3,11 @@ a Hub dataset's split copied in the pipeline's columns (read back by pipeline.tr
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.checkpoint import corpus
+from pipeline.checkpoint import corpus, manifest
 from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_write_text
 from pipeline.training.dataset import CHAT_EVAL_FILE, CHAT_FILE
@@ -76,11 +75,11 @@ class EmbeddedData:
 def _maker() -> dict:
     """What the embedded data files are a function of: the pinned corpus and the code that cuts them."""
     return {"corpus_sha256": corpus.SHA256, "transformers": corpus.TRANSFORMERS_VERSION,
-            "maker_sha256": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()}
+            "maker_sha256": manifest.sha256(Path(__file__))}
 
 
 def _sha256(path: Path) -> str | None:
-    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+    return manifest.sha256(path) if path.is_file() else None
 
 
 def write_embedded_data(train_file: Path) -> EmbeddedData:
