@@ -2,7 +2,7 @@
 # 2.14) plus what requirements.lock adds to the base's own packages (docker/wheelhouse.py: the base
 # keeps its versions, differences are printed and recorded), installed from a hash-checked
 # wheelhouse, running as a non-root user. Built by `make image` (pipeline/host/image.py), which makes the wheelhouse inside the base
-# image and adds it to the build context as wheels/.
+# image, adds its records to the build context as wheels/ and serves the wheels to the build (WHEELS_URL).
 #
 # BASE_IMAGE: UNCONFIRMED. The tag follows AWS's Neuron DLC naming for SDK 2.33 (tags ending
 # -neuronx-py314-sdk2.33.0-ubuntu26.04, awsdocs-neuron v2.33.0 setup/pytorch/dlc), but the repository
@@ -10,28 +10,18 @@
 # DLC's repository name is in no source read where this was written (docs/trn2.md). So `make image`
 # inspects or pulls the base before anything else and stops in one line, saying how to look the name
 # up, when it does not exist; the digest it resolved to is recorded below (org.opencontainers.image.base.digest).
-# Pin it once found: BASE_IMAGE=<repository>@sha256:<digest>. Tests build on locally made bases.
+# This default is configs/base-image.toml's reference; `make image` passes that reference pinned by the
+# digest `make pin` recorded there (or BASE_IMAGE=<repository>@sha256:<digest>). Tests build on locally made bases.
 ARG BASE_IMAGE=public.ecr.aws/neuron/pytorch-training-neuronx:2.14.0-neuronx-py314-sdk2.33.0-ubuntu26.04
 
-FROM ${BASE_IMAGE} AS install
-ARG PYTHON=python3
-SHELL ["/bin/sh", "-eu", "-c"]
-COPY wheels/ /tmp/wheels/
-# The venv sees the base's own packages through site.addsitedir (also when the base's Python is itself a
-# venv, and with the .pth files of editable installs such as torchtitan-neuron's processed): torch,
-# torch-neuronx, neuronx-cc and torchtitan stay the base image's. The hashed list holds what the base
-# lacks (docker/wheelhouse.py), the full closure, hence --no-deps.
-RUN ${PYTHON} -m venv /opt/pipeline-venv \
-    && ${PYTHON} -c 'import site; print("".join(f"import site; site.addsitedir({p!r})\n" for p in site.getsitepackages()))' \
-       > "$(/opt/pipeline-venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/base-image.pth" \
-    && /opt/pipeline-venv/bin/python -m pip install --no-cache-dir --disable-pip-version-check --no-index \
-       --find-links /tmp/wheels --require-hashes --no-deps -r /tmp/wheels/requirements.hashed.txt \
-    && mkdir -p /opt/pipeline-record \
-    && cp /tmp/wheels/image-packages.txt /tmp/wheels/differences.txt /tmp/wheels/lock.txt /opt/pipeline-record/
-
-# A second stage so the wheelhouse never becomes a layer of the final image.
 FROM ${BASE_IMAGE}
 ARG BASE_IMAGE
+ARG PYTHON=python3
+# Where `make image` serves the wheelhouse while it builds (pipeline/host/image.py: an HTTP server on the
+# host's loopback, the build's RUN steps on the host network). The wheels never enter the build context or a
+# layer: copied in, a 3.1 GB wheelhouse took ~30 GB of disk at the build's peak and ~17 GB after it (a COPY
+# layer, an install stage and its copy into a second stage); served, the image is the venv's one layer.
+ARG WHEELS_URL
 # What BASE_IMAGE resolved to when `make image` inspected it (pipeline/host/image.py): the registry's
 # manifest digest when the base was pulled, the local image id otherwise.
 ARG BASE_DIGEST=unknown
@@ -47,9 +37,18 @@ LABEL org.opencontainers.image.title="qwen3-pipeline" \
       pipeline.neuron.sdk="2.33" \
       pipeline.torch="2.14"
 SHELL ["/bin/sh", "-eu", "-c"]
-COPY --from=install /opt/pipeline-venv /opt/pipeline-venv
-# What the build derived from the base: every package the image holds, how it differs from the lock, the lock.
-COPY --from=install /opt/pipeline-record/ /opt/pipeline/record/
+# What the build derived from the base (docker/wheelhouse.py): the hashed list it installs, every package
+# the image holds, how it differs from the lock, the lock.
+COPY wheels/ /opt/pipeline/record/
+# The venv sees the base's own packages through site.addsitedir (also when the base's Python is itself a
+# venv, and with the .pth files of editable installs such as torchtitan-neuron's processed): torch,
+# torch-neuronx, neuronx-cc and torchtitan stay the base image's. The hashed list holds what the base
+# lacks, the full closure, hence --no-deps.
+RUN ${PYTHON} -m venv /opt/pipeline-venv \
+    && ${PYTHON} -c 'import site; print("".join(f"import site; site.addsitedir({p!r})\n" for p in site.getsitepackages()))' \
+       > "$(/opt/pipeline-venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/base-image.pth" \
+    && /opt/pipeline-venv/bin/python -m pip install --no-cache-dir --disable-pip-version-check --no-index \
+       --find-links "${WHEELS_URL}" --require-hashes --no-deps -r /opt/pipeline/record/requirements.hashed.txt
 # /checkpoints, /hf-cache and TorchNeuron's NEFF cache (TORCH_NEURONX_NEFF_CACHE_DIR, torch/reference/env-vars)
 # are bind mounts at run time; they exist (and belong to the user) so a run without a mount still works.
 # Ubuntu 23.04 and later (the DLCs are built FROM Ubuntu 24.04/26.04) already have user `ubuntu` at UID

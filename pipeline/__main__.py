@@ -17,19 +17,28 @@ STAGES = {
     "export": ("pipeline.stages.export", "write a run's last checkpoint as HF safetensors"),
     "verify": ("pipeline.stages.verify", "prove an export reloads: keys, tensors, step-1 loss"),
     "verify-kernels": ("pipeline.stages.verify_kernels", "check every NKI override against its reference"),
+    "smoke": ("pipeline.stages.smoke", "touch the devices first: device count, one op, a 2-rank all-reduce, the RoPE kernel"),
+    "eval": ("pipeline.stages.eval", "a run's export through lm-evaluation-harness: held-out log-likelihood, multiple choice"),
     "publish": ("pipeline.stages.publish", "upload a run's verified export to a Hugging Face Hub model repository"),
     "report": ("pipeline.stages.report", "loss curves and a summary of a model's runs"),
+    "summary": ("pipeline.stages.summary", "the table make pipeline ends with: each run's losses, export and verify"),
     "image": ("pipeline.stages.image", "build the container image through the Docker SDK"),
     "push": ("pipeline.stages.push", "push the built image to a registry and record its digest for launch"),
+    "pin": ("pipeline.stages.pin", "resolve once the torchtitan-neuron commit, Hub revisions and base image digest, and record them"),
     "doctor": ("pipeline.stages.doctor", "what this host has vs what the pipeline needs"),
     "launch": ("pipeline.stages.launch", "render multi-node launch files (Slurm sbatch, EKS manifests)"),
     "paths": ("pipeline.stages.paths", "the training paths the registry holds (Make and the trn2 workflow read them here)"),
+    "clean": ("pipeline.stages.clean", "delete what the pipeline wrote in its checkpoints root (--all: downloads too), nothing else"),
     "rehearse": ("pipeline.stages.rehearse", "run configs/trn2.toml's parallel plan on CPU ranks, and the launch files on two nodes"),
 }
 
 
 class StageParser(argparse.ArgumentParser):
-    """argparse, but a bad flag is one line naming the fix, like every other bad input."""
+    """argparse, but a bad flag is one line naming the fix, like every other bad input, and a flag is
+    never an abbreviation of another (`--name` is not `--namespace`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message):
         self.exit(2, f"error: {self.prog}: {message}. Fix: see `{self.prog} --help`.\n")
@@ -41,21 +50,27 @@ UNWRITABLE = {errno.EACCES: "is not writable", errno.EROFS: "is on a read-only f
               errno.EDQUOT: "is over its disk quota"}
 
 
+def stage_parser(stage: str):
+    """The stage's module (only the chosen stage is imported) and its command line."""
+    module = importlib.import_module(STAGES[stage][0])
+    parser = StageParser(prog=f"python -m pipeline {stage}", description=STAGES[stage][1])
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    module.add_arguments(parser)
+    return module, parser
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
-    parser = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__, allow_abbrev=False,
                                      epilog="stages: " + "; ".join(f"{k}: {v[1]}" for k, v in STAGES.items()))
     parser.add_argument("stage", choices=STAGES)
     if not argv or argv[0] not in STAGES:
         parser.parse_args(argv[:1] or ["--help"])
     stage = argv[0]
-    module = importlib.import_module(STAGES[stage][0])  # only the chosen stage is imported
-    stage_parser = StageParser(prog=f"python -m pipeline {stage}", description=STAGES[stage][1])
-    stage_parser.add_argument("--debug", action="store_true", help="show tracebacks")
-    module.add_arguments(stage_parser)
-    args = stage_parser.parse_args(argv[1:])
+    module, parser = stage_parser(stage)
+    args = parser.parse_args(argv[1:])
     try:
         module.run(args)
     except PipelineError as err:

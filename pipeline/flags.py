@@ -2,7 +2,9 @@
 knob is declared once, as a field, and every stage that takes that dataclass takes its flag.
 
 Metadata keys: help (the field is a flag only with it), required, choices, words (a string on the
-command line, split like a shell into the field's tuple), hidden (accepted, not listed in --help).
+command line, split like a shell into the field's tuple), hidden (accepted, not listed in --help),
+default (a stage's own default for a field declared elsewhere: given through `overrides`, it makes
+the flag optional).
 """
 
 from __future__ import annotations
@@ -25,15 +27,19 @@ def flag(default=None, help: str = "", **metadata):  # noqa: A002 - argparse's o
     return dataclasses.field(default=default, metadata={"help": help, **metadata})
 
 
-def flag_fields(cls) -> list[dataclasses.Field]:
-    return [f for f in dataclasses.fields(cls) if "help" in f.metadata]
+def flag_fields(cls, only: tuple[str, ...] | None = None) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(cls) if "help" in f.metadata and (only is None or f.name in only)]
 
 
-def add_flags(parser: argparse.ArgumentParser, cls, choices: dict | None = None, unset_default: bool = False) -> None:
+def add_flags(parser: argparse.ArgumentParser, cls, choices: dict | None = None, unset_default: bool = False,
+              only: tuple[str, ...] | None = None, overrides: dict[str, dict] | None = None) -> None:
     """One flag per flag field of `cls`. `choices`: per field, known only at run time (the registry's
-    paths). `unset_default`: every flag defaults to None, "not given" (the config files decide)."""
-    for f in flag_fields(cls):
-        meta = f.metadata
+    paths). `unset_default`: every flag defaults to None, "not given" (the config files decide).
+    `only`: just these fields (a stage that needs only MODEL of the run address). `overrides`: per
+    field, metadata over the declared one (a stage's own default, choices or required)."""
+    for f in flag_fields(cls, only):
+        override = (overrides or {}).get(f.name, {})
+        meta = {**f.metadata, **override, **({"required": False} if "default" in override else {})}
         kind = str(f.type).replace(" | None", "").strip()
         options: dict = {"help": argparse.SUPPRESS if meta.get("hidden") else meta["help"], "dest": f.name}
         if kind == "bool":
@@ -45,15 +51,17 @@ def add_flags(parser: argparse.ArgumentParser, cls, choices: dict | None = None,
             options["required"] = bool(meta.get("required"))
         if unset_default:
             options["default"] = None
-        elif f.default is not dataclasses.MISSING and not meta.get("required"):
-            options["default"] = shlex.join(f.default) if meta.get("words") else f.default
+        elif "default" in meta or (f.default is not dataclasses.MISSING and not meta.get("required")):
+            default = meta.get("default", f.default)
+            options["default"] = shlex.join(default) if meta.get("words") else default
         parser.add_argument("--" + f.name.replace("_", "-"), **options)
 
 
-def values(cls, args: argparse.Namespace, given_only: bool = False) -> dict:
-    """The flag fields' values from parsed `args` (words split into tuples); `given_only`: those not None."""
+def values(cls, args: argparse.Namespace, given_only: bool = False, only: tuple[str, ...] | None = None) -> dict:
+    """The flag fields' values from parsed `args` (words split into tuples); `given_only`: those not None;
+    `only`: as add_flags was given it."""
     out = {}
-    for f in flag_fields(cls):
+    for f in flag_fields(cls, only):
         value = getattr(args, f.name)
         if f.metadata.get("words") and isinstance(value, str):
             try:

@@ -22,6 +22,14 @@ def ordinary_mode(mode: int) -> int:
     return mode & ~mask
 
 
+def give_ordinary_modes(*paths: Path) -> None:
+    """Each file the mode open() would have given it (0644 under umask 022): safetensors' save_file (and so
+    save_pretrained, PEFT's too) creates its files 0600 (safetensors 0.8), which others cannot read."""
+    mode = ordinary_mode(0o666)
+    for path in paths:
+        os.chmod(path, mode)
+
+
 @contextlib.contextmanager
 def atomic_directory(target: Path, replace: bool = False) -> Iterator[Path]:
     """Yield a temporary sibling of `target`; rename it to `target` only if the block succeeds."""
@@ -77,6 +85,18 @@ SMALL_FILE_BYTES = 1 << 20
 INDEX_FILE_BYTES = 64 << 20
 
 
+def regular_file(path: Path, fix: str = "give the file itself.") -> os.stat_result:
+    """The status of `path`, refused in one line when it is not a regular file: opening a FIFO blocks until
+    a writer comes (a stage holding a run's lock would hang), a device reads without end. Every file a stage
+    reads goes through this first. FileNotFoundError passes through for the caller to word."""
+    from pipeline.errors import PipelineError
+
+    status = os.stat(path)  # follows links: what would be read
+    if not stat.S_ISREG(status.st_mode):
+        raise PipelineError(f"{path} is not a regular file (a device, FIFO or directory); it is not read.", fix)
+    return status
+
+
 def read_small_text(path: Path, limit: int = SMALL_FILE_BYTES, fix: str = "give the file itself.") -> str:
     """The text of a small file, refused in one line before reading when it is not a regular file
     (a device such as /dev/zero, a FIFO: endless) or larger than `limit` bytes. FileNotFoundError
@@ -84,9 +104,7 @@ def read_small_text(path: Path, limit: int = SMALL_FILE_BYTES, fix: str = "give 
     from pipeline.errors import PipelineError
 
     path = Path(path)
-    status = os.stat(path)  # follows links: what would be read
-    if not stat.S_ISREG(status.st_mode):
-        raise PipelineError(f"{path} is not a regular file (a device, FIFO or directory); it is not read.", fix)
+    status = regular_file(path, fix)
     if status.st_size > limit:
         raise PipelineError(f"{path} is {status.st_size} bytes, more than the {limit} a file of its kind can "
                             "plausibly be; it is not read.", fix)
@@ -98,3 +116,21 @@ def read_small_text(path: Path, limit: int = SMALL_FILE_BYTES, fix: str = "give 
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
         raise PipelineError(f"{path} is not UTF-8 text (byte {err.start}).", fix) from err
+
+
+def read_json_object(path: Path, fix: str, limit: int = SMALL_FILE_BYTES) -> dict:
+    """A small JSON file holding an object (a record the pipeline wrote: run.json, manifest.json, …), refused
+    in one line when it is not a regular file, torn (a kill mid-write, an edit) or another JSON value."""
+    import json
+
+    from pipeline.errors import PipelineError
+
+    text = read_small_text(path, limit, fix)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise PipelineError(f"{path} is not valid JSON ({err.msg}: line {err.lineno} column {err.colno}); "
+                            "torn or edited.", fix) from err
+    if not isinstance(data, dict):
+        raise PipelineError(f"{path} holds a JSON {type(data).__name__}, not the object the pipeline writes.", fix)
+    return data

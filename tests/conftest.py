@@ -9,17 +9,32 @@ from pathlib import Path
 
 import pytest
 
+from pipeline import envvars
 from helpers import CONTAINER_TESTS, EXPORT_MODELS, EXPORT_NPROC, TRAINED_STEPS, copy_model, run_pipeline
 
 
 # ---- session fixtures -------------------------------------------------------------------------
 
+@pytest.fixture(scope="session", autouse=True)
+def digest_key():
+    """The DCP digest key of this session's saves (pipeline.run.digest_key), never the user's own: set in
+    the environment every stage and rank of the tests inherits. Outside pytest's basetemp, which some tests use
+    as a checkpoints root (the key must never lie under one)."""
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="pipeline-test-digest-key-"))
+    key = folder / "dcp-digest.key"
+    os.environ[envvars.DIGEST_KEY] = str(key)
+    yield key
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> Path:
     """A checkpoints root holding tiny and tiny-moe (downloaded = made) with their data.
     PIPELINE_TEST_CHECKPOINTS names one made before (a session of its own: tests only read it)."""
-    if os.environ.get("PIPELINE_TEST_CHECKPOINTS"):
-        return Path(os.environ["PIPELINE_TEST_CHECKPOINTS"])
+    if os.environ.get(envvars.TEST_CHECKPOINTS):
+        return Path(os.environ[envvars.TEST_CHECKPOINTS])
     root = tmp_path_factory.mktemp("checkpoints")
     for model in ("tiny", "tiny-moe"):
         run_pipeline("download", "--model", model, root=root)
@@ -63,17 +78,21 @@ def pytest_report_header(config):
 # A test is slow when it trains, makes the embedded models or builds images: it asks for one of these
 # fixtures, or its module or function is marked `slow` itself.
 SLOW_FIXTURES = {"checkpoints", "tiny_root", "export_runs"}
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: trains, makes the embedded models or builds images (full tier only)")
-    config.addinivalue_line("markers", "titan_e2e: every path's train → export → verify, for the upstream-main tier")
+# The tests of the modules that talk to torchtitan (its configs, model, loaders, trainer, names): what the
+# simulated "main after #4328" tier (`make test-titan-sim`) runs of the fast tier, marked `titan`.
+TITAN_TESTS = ("titan/", "models/", "checkpoint/test_checkpoint_arch_flops.py", "training/test_training_chat.py",
+               "training/test_training_dataset.py", "training/test_training_memory.py",
+               "training/test_training_titan_flags.py", "training/test_training_titan_assets.py",
+               "host/test_host_doctor_titan.py")
 
 
 def pytest_collection_modifyitems(config, items):
+    tests = Path(__file__).parent
     for item in items:
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+        if item.path.relative_to(tests).as_posix().startswith(TITAN_TESTS):
+            item.add_marker(pytest.mark.titan)
     # The container tests run last: .ci/run builds their image in the background meanwhile, and in
     # alphabetical order the suite reached them first and waited for it (119 s of a cold-engine run, 2026-12-02).
     items.sort(key=lambda item: item.path.as_posix().endswith(CONTAINER_TEST_FILE))

@@ -15,15 +15,23 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from pipeline import envvars
+from pipeline.run import rundir, targets
 
-from pipeline import envvars  # noqa: E402 - importable once REPO is on the path
-from pipeline.run import rundir, targets  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 
 # What download and data leave for a model: its record, the checkpoint, the training text.
 MODEL_PARTS = ("source.json", "source", "data")
+
+
+def missing_tool(reason: str) -> None:
+    """A tool the test needs is not here: a skip with its reason locally, a failure in CI (which sets it up)."""
+    import pytest
+
+    if os.environ.get("CI"):
+        pytest.fail(f"CI must provide this: {reason}")
+    pytest.skip(reason)
 
 
 def pipeline_env(root: Path, env: dict | None = None) -> dict:
@@ -154,6 +162,16 @@ def hf_shard(run: Path, step: int = 0, key: str = "model.norm.weight") -> Path:
     return weights_path(run, step) / index["weight_map"][key]
 
 
+def record_hashes(weights: Path) -> None:
+    """Rewrite a step's HF save's .sha256.json as its ranks would have recorded it, had they saved the
+    shards as they are now: a fake save that really holds what a test put in it (an edit is not)."""
+    from pipeline.checkpoint import manifest
+
+    (weights / rundir.HF_HASHES).write_text(json.dumps({
+        p.name: {"sha256": manifest.sha256(p), "bytes": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns}
+        for p in sorted(weights.glob("*.safetensors"))}))
+
+
 def tied_source_with_lm_head(runs: Path, tmp_path: Path) -> Path:
     """tiny's source with lm_head.weight stored (as some tied Hub checkpoints do), in its own shard."""
     from safetensors.torch import save_file
@@ -173,7 +191,7 @@ def tied_source_with_lm_head(runs: Path, tmp_path: Path) -> Path:
 # The container test builds a full image on a private Docker engine (~20 min cold on 2 cores, seconds
 # with the engine's build cache); .ci/run asks for it, a local `make test` only with the variable set.
 # The report header says which, either way.
-CONTAINER_TESTS = os.environ.get("PIPELINE_CONTAINER_TESTS") == "1"
+CONTAINER_TESTS = os.environ.get(envvars.CONTAINER_TESTS) == "1"
 
 
 def dry_run_spec(stdout: str) -> dict:
@@ -190,4 +208,21 @@ def plant_incomplete_step(run_dir: Path, step: int) -> Path:
     (directory / "__0_0.distcp").write_bytes(b"\0" * 4096)
     (directory / f".{rundir.HF_WEIGHTS}.tmp").mkdir()
     (directory / f".{rundir.HF_WEIGHTS}.tmp" / "model-00001-of-00001.safetensors").write_bytes(b"\0" * 64)
+    return directory
+
+
+C4_MARKER = "Otters ledger the tidepool inventory at dawn"
+
+
+def c4_stand_in(directory: Path, shards: int = 3, docs: int = 4) -> Path:
+    """A local stand-in laid out like allenai/c4 (the Hub is unreachable here): en/c4-train.0000X-of-01024.json.gz,
+    gzipped JSON lines of text/timestamp/url, as DATASET_MIRROR (pipeline.training.staged)."""
+    import gzip
+
+    (directory / "en").mkdir(parents=True)
+    for shard in range(shards):
+        rows = [{"text": f"{C4_MARKER}: shard {shard} document {i}, with words enough for a window.",
+                 "timestamp": "2019-04-25T12:57:54Z", "url": f"https://example.org/{shard}/{i}"} for i in range(docs)]
+        with gzip.open(directory / "en" / f"c4-train.{shard:05d}-of-01024.json.gz", "wt") as handle:
+            handle.write("".join(json.dumps(r) + "\n" for r in rows))
     return directory

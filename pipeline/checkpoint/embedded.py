@@ -19,6 +19,7 @@ from pathlib import Path
 
 from pipeline.checkpoint import corpus, hf_dir
 from pipeline.errors import PipelineError
+from pipeline.fsutil import give_ordinary_modes
 
 QWEN3_TOKENIZER_SHA256 = "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4"
 TOKENIZER_FILES = hf_dir.TOKENIZER_FILES[:4]  # what the tokenizers library writes for a byte-level BPE
@@ -165,6 +166,7 @@ def bootstrap(name: str, out_dir: Path, steps: int | None = None, progress: bool
     }
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir, max_shard_size=spec.shard_size)
+    give_ordinary_modes(*out_dir.glob("*.safetensors"))
     for filename in TOKENIZER_FILES:
         shutil.copyfile(tok_dir / filename, out_dir / filename)
     (out_dir / "embedded.json").write_text(json.dumps(provenance, indent=2) + "\n")

@@ -15,7 +15,7 @@ from huggingface_hub import constants
 
 from pipeline.errors import PipelineError
 from pipeline.checkpoint.arch import Qwen3Arch, load_arch
-from pipeline.fsutil import INDEX_FILE_BYTES, read_small_text
+from pipeline.fsutil import INDEX_FILE_BYTES, read_small_text, regular_file
 
 # A Hugging Face checkpoint directory's file names, one home: huggingface_hub's where it names them.
 CONFIG = constants.CONFIG_NAME  # config.json
@@ -24,7 +24,7 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 TOKENIZER_REQUIRED = ("tokenizer.json", "tokenizer_config.json")
 # The tokenizer files a Qwen3 checkpoint may have (the embedded ones have the first four).
 TOKENIZER_FILES = TOKENIZER_REQUIRED + ("vocab.json", "merges.txt", "special_tokens_map.json", "added_tokens.json",
-                                        "chat_template.jinja", "tokenizer.model")
+                                        "chat_template.jinja", "chat_template.json", "tokenizer.model")
 # Carried over verbatim into an export when the source has them: generation defaults and the tokenizer.
 CARRIED_FILES = ("generation_config.json",) + TOKENIZER_FILES
 # What a download takes of a Hub snapshot, or of a local directory: the files above and the weights.
@@ -55,6 +55,7 @@ def read_header(path: Path, fix: str = "re-download the checkpoint (FORCE=1), or
     from safetensors import SafetensorError, safe_open
 
     path = Path(path)
+    regular_file(path, fix)  # safetensors would open a FIFO and wait for a writer
     try:
         with safe_open(str(path), framework="numpy") as handle:
             infos = {}

@@ -7,13 +7,14 @@ import json
 from pathlib import Path
 
 from pipeline.errors import PipelineError
-from pipeline.fsutil import atomic_write_text
+from pipeline.fsutil import atomic_write_text, read_json_object, regular_file
 
 MANIFEST = "manifest.json"
 
 
 def sha256(path: Path) -> str:
     digest = hashlib.sha256()
+    regular_file(path, "re-run `make export … FORCE=1`: an export holds regular files only.")
     with open(path, "rb") as handle:
         for block in iter(lambda: handle.read(1 << 24), b""):
             digest.update(block)
@@ -32,7 +33,7 @@ def read(directory: Path) -> dict:
     path = Path(directory) / MANIFEST
     if not path.exists():
         raise PipelineError(f"{directory} has no {MANIFEST}: not a complete export.", "re-run `make export … FORCE=1`.")
-    return json.loads(path.read_text())
+    return read_json_object(path, "re-run `make export … FORCE=1`.")
 
 
 def check(directory: Path) -> dict:

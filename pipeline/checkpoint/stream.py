@@ -76,6 +76,45 @@ def layout(entries: list[Entry], metadata: dict[str, str] | None = None, name: s
     return Layout(head, {k: len(head) + v for k, v in starts.items()}, len(head) + offset)
 
 
+# What safetensors' save_file (and so save_pretrained) puts in every header's __metadata__; torch's HF
+# consolidation (DCP's HuggingFaceStorageWriter, torchtitan's HF writer) writes no __metadata__ at all.
+PT_METADATA = {"format": "pt"}
+
+
+def header_metadata(path: Path) -> dict:
+    """A .safetensors file's __metadata__ (empty when it has none); only the header is read."""
+    with open(path, "rb") as handle:
+        size = int.from_bytes(handle.read(8), "little")
+        return dict(json.loads(handle.read(size)).get("__metadata__") or {})
+
+
+def has_pt_format(path: Path) -> bool:
+    return header_metadata(path).get("format") == PT_METADATA["format"]
+
+
+def copy_with_metadata(source: Path, target: Path, metadata: dict[str, str]) -> None:
+    """`source` copied to `target` with `metadata` merged into its header's __metadata__: the same tensors
+    byte for byte, as their data_offsets count from the end of the header (the format's "Format"
+    section), so a longer header moves no offset. Validate `source` with safetensors' parser first
+    (hf_dir.read_header). Not atomic by itself: the caller renames `target` into place."""
+    import shutil
+
+    with open(source, "rb") as src:
+        size = int.from_bytes(src.read(8), "little")
+        header = json.loads(src.read(size))
+        merged = {**(header.pop("__metadata__", None) or {}), **{str(k): str(v) for k, v in metadata.items()}}
+        text = json.dumps({"__metadata__": merged, **header}, separators=(",", ":")).encode()
+        text += b" " * (-(len(text) + 8) % HEADER_ALIGN)
+        try:
+            with open(target, "wb") as dst:
+                dst.write(len(text).to_bytes(8, "little") + text)
+                shutil.copyfileobj(src, dst, 16 << 20)
+        except OSError as err:
+            if err.errno == errno.ENOSPC:
+                raise OSError(errno.ENOSPC, "No space left on device", str(target)) from err
+            raise
+
+
 def tensor_bytes(tensor) -> memoryview:
     """A tensor's bytes as safetensors stores them (C order, little-endian), without a copy when
     it is already contiguous on the CPU."""
@@ -180,7 +219,10 @@ class SafetensorsReader:
     (pipeline.checkpoint.hf_dir.read_header): this only reads what that parser accepted."""
 
     def __init__(self, path: Path):
+        from pipeline.fsutil import regular_file
+
         self.path = Path(path)
+        regular_file(self.path, "restore the checkpoint's weights (a FIFO or device there is never read).")
         self.fd = os.open(self.path, os.O_RDONLY)
         size = int.from_bytes(os.pread(self.fd, 8, 0), "little")
         header = json.loads(os.pread(self.fd, size, 8))

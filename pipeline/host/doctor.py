@@ -135,7 +135,7 @@ def check_python() -> Check:
 
 def check_compiler(target: str) -> Check:
     # torchtitan compiles its block-mask creation even with compile off, so torch needs a C++ compiler
-    # and Python's headers at run time (docs/design.md; torchtitan-on-cpu notes). The trn2 image has its own.
+    # and Python's headers at run time (docs/design.md, docs/sources.md). The trn2 image has its own.
     compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
     headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
     missing = [name for name, there in (("C++ compiler", compiler), (str(headers), headers.exists())) if not there]

@@ -10,7 +10,9 @@ and the exit status returned; the container is removed on success, failure or Ct
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import hashlib
 import os
 import subprocess
 import sys
@@ -23,7 +25,7 @@ from pathlib import Path
 
 from pipeline import envvars
 from pipeline.errors import PipelineError
-from pipeline.run import store, targets
+from pipeline.run import digest_key, store, targets
 from pipeline.run.image import IMAGE, CORE_PACKAGES, DEFAULT_BASE_IMAGE, check_lock, lock_sha256
 
 # Where pip inside the base image finds what the lock adds (a user's PIP_INDEX_URL/PIP_EXTRA_INDEX_URL
@@ -31,7 +33,9 @@ from pipeline.run.image import IMAGE, CORE_PACKAGES, DEFAULT_BASE_IMAGE, check_l
 # install pages give them (setup/pytorch/update-manual, 2.33). No CI-only variable is needed.
 NEURON_PIP_INDEXES = "https://pip.repos.neuron.amazonaws.com https://download.pytorch.org/whl/cpu"
 # What a stage in the image reads from the caller's environment (values never printed).
-PASSED_THROUGH = (envvars.HF_TOKEN, "HF_HUB_OFFLINE", "HF_ENDPOINT", envvars.TARGET, envvars.REQUIRE_PINNED)
+DIGEST_KEY_MOUNT = "/digest-key"  # where the container sees the folder of the host user's DCP digest key
+PASSED_THROUGH = (envvars.HF_TOKEN, "HF_HUB_OFFLINE", "HF_ENDPOINT", envvars.TARGET, envvars.REQUIRE_PINNED, envvars.VERBOSE,
+                  envvars.BRIEF)
 WHEELHOUSE_RECORDS = ("requirements.hashed.txt", "image-packages.txt", "differences.txt", "lock.txt")
 
 
@@ -69,7 +73,7 @@ def client():
         engine = docker.from_env(timeout=600)
         engine.ping()
         return engine
-    except Exception as err:  # noqa: BLE001 - any failure to reach the engine is the same user problem
+    except Exception as err:  # any failure to reach the engine is the same user problem
         where = os.environ.get("DOCKER_HOST", "the default socket /var/run/docker.sock")
         raise PipelineError(f"no Docker engine answers at {where} ({type(err).__name__}).",
                             "start dockerd (e.g. `.ci/dockerd.sh start`) and export DOCKER_HOST.") from err
@@ -193,17 +197,48 @@ def make_wheelhouse(spec: BuildSpec, engine) -> Path:
 
 
 def context_files(spec: BuildSpec) -> list[tuple[Path, str]]:
-    """(file, name in the context): the repo filtered by .dockerignore, plus the wheelhouse as wheels/
-    (it may live anywhere)."""
+    """(file, name in the context): the repo filtered by .dockerignore, plus the wheelhouse's records as wheels/
+    (the wheels themselves are served: served_wheels)."""
     from docker.utils.build import exclude_paths
 
     patterns = [p for p in (store.REPO / ".dockerignore").read_text().splitlines() if p.strip() and p[0] != "#"]
     included = sorted(exclude_paths(str(store.REPO), patterns, dockerfile="Dockerfile"))
     files = [(store.REPO / rel, rel) for rel in included
              if (store.REPO / rel).is_file() and not rel.startswith("wheels/")]
-    files += [(wheel, f"wheels/{wheel.name}") for wheel in sorted(spec.wheelhouse.iterdir())
-              if wheel.suffix == ".whl" or wheel.name in WHEELHOUSE_RECORDS]
+    files += [(spec.wheelhouse / name, f"wheels/{name}") for name in WHEELHOUSE_RECORDS]
     return files
+
+
+def wheel_port(wheelhouse: Path) -> int:
+    """The loopback port the wheelhouse is served on: fixed per wheelhouse, because WHEELS_URL is part of the
+    install step's cache key (a new port would reinstall the multi-GB venv on every build)."""
+    return 20000 + int(hashlib.sha256(str(wheelhouse.resolve()).encode()).hexdigest()[:8], 16) % 20000
+
+
+@contextlib.contextmanager
+def served_wheels(wheelhouse: Path) -> Iterator[str]:
+    """The wheelhouse as a pip --find-links URL on the host's loopback, while the build runs."""
+    from functools import partial
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+    class Quiet(SimpleHTTPRequestHandler):
+        def log_message(self, *args) -> None:  # pip's own output says what it fetched
+            pass
+
+    handler = partial(Quiet, directory=str(wheelhouse))
+    try:
+        server = ThreadingHTTPServer(("127.0.0.1", wheel_port(wheelhouse)), handler)
+    except OSError:  # the port is taken: any free one works, at the cost of the install step's cache
+        server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        print(f"port {wheel_port(wheelhouse)} is in use: the wheelhouse is served on {server.server_port}, so the "
+              "venv step is not taken from the build cache", flush=True)
+    thread = threading.Thread(target=server.serve_forever, name="wheelhouse", daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}/"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def streamed_tar(files: list[tuple[Path, str]]) -> Iterator[bytes]:
@@ -245,18 +280,15 @@ def build(spec: BuildSpec, engine=None) -> dict:
     make_wheelhouse(spec, engine)
     files = context_files(spec)
     buildargs = {"BASE_IMAGE": spec.base_image, "BASE_DIGEST": base.recorded_digest, "BASE_IMAGE_ID": base.image_id,
-                 "PYTHON": spec.python, "LOCK_SHA256": lock_sha256(spec.lock), "PIPELINE_REVISION": _git_revision()}
+                 "PYTHON": spec.python, "LOCK_SHA256": lock_sha256(spec.lock), envvars.BUILD_REVISION: _git_revision()}
     print(f"building {spec.tag} from {spec.base_image} "
           f"({sum(path.stat().st_size for path, _ in files) / 2**20:.0f} MiB context)", flush=True)
     try:
-        stream = engine.api.build(fileobj=streamed_tar(files), custom_context=True, tag=spec.tag, buildargs=buildargs,
-                                  rm=True, forcerm=True, decode=True)
-        for chunk in stream:
-            if "stream" in chunk:
-                sys.stdout.write(chunk["stream"])
-                sys.stdout.flush()
-            elif "error" in chunk:
-                raise PipelineError(f"image build failed: {chunk['error'].strip()}", "read the build output above.")
+        with served_wheels(spec.wheelhouse) as wheels_url:
+            stream = engine.api.build(fileobj=streamed_tar(files), custom_context=True, tag=spec.tag,
+                                      buildargs={**buildargs, "WHEELS_URL": wheels_url}, network_mode="host",
+                                      rm=True, forcerm=True, decode=True)
+            print_build_output(stream)
     except docker.errors.APIError as err:
         raise PipelineError(*_engine_refusal(err)) from err
     image = engine.images.get(spec.tag)
@@ -264,6 +296,16 @@ def build(spec: BuildSpec, engine=None) -> dict:
     print(f"built {spec.tag} ({image.short_id}, {image.attrs['Size'] / 2**20:.0f} MiB) in {seconds:.0f} s")
     return {"tag": spec.tag, "id": image.id, "size_bytes": image.attrs["Size"], "seconds": seconds,
             "base_digest": base.recorded_digest}
+
+
+def print_build_output(stream) -> None:
+    """The engine's build output, streamed; its first error raised as one line."""
+    for chunk in stream:
+        if "stream" in chunk:
+            sys.stdout.write(chunk["stream"])
+            sys.stdout.flush()
+        elif "error" in chunk:
+            raise PipelineError(f"image build failed: {chunk['error'].strip()}", "read the build output above.")
 
 
 def _engine_refusal(err) -> tuple[str, str]:
@@ -287,7 +329,7 @@ def _git_revision() -> str:
 
 def container_run(image: str, argv: list[str]) -> ContainerRun:
     hf_cache = Path(os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface")
-    compile_cache = Path(os.environ.get("PIPELINE_COMPILE_CACHE") or Path.home() / ".cache" / "neuron-compile-cache")
+    compile_cache = Path(os.environ.get(envvars.COMPILE_CACHE) or Path.home() / ".cache" / "neuron-compile-cache")
     devices = host_devices()
     hub_cache = Path(os.environ["HF_HUB_CACHE"]) if os.environ.get("HF_HUB_CACHE") else None
     return ContainerRun(image=image, argv=list(argv), checkpoints=store.checkpoints_root().resolve(),
@@ -321,6 +363,19 @@ def _writable_for_image_user(directory: Path) -> None:
                 os.lchown(name, IMAGE.uid, IMAGE.uid)
 
 
+def container_key_folder(key: Path) -> Path:
+    """The folder of the digest key the container uses: the caller's own (the container runs as the caller); for
+    root, whose container runs as the image's user and cannot read root's 0600 key, a folder of that user's beside
+    it (0700), so runs saved in one container still resume in the next."""
+    key.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if os.geteuid() != 0:
+        return key.parent
+    folder = key.parent / "image-user"
+    folder.mkdir(exist_ok=True, mode=0o700)
+    os.chown(folder, IMAGE.uid, IMAGE.uid)
+    return folder
+
+
 def run_in_image(request: ContainerRun, engine=None) -> int:
     engine = engine or client()
     if not request.argv:
@@ -334,6 +389,12 @@ def run_in_image(request: ContainerRun, engine=None) -> int:
     # Only the name is ever printed; the value goes to the engine and nowhere else.
     environment = {k: os.environ[k] for k in PASSED_THROUGH if os.environ.get(k)}
     environment[targets.NEFF_CACHE_ENV] = IMAGE.compile_cache  # never a host path the container cannot see
+    # The host user's DCP digest key (pipeline.run.digest_key): a key made in the container would go with it,
+    # and no run saved there could resume. Its folder, outside the checkpoints root, mounted as it is.
+    key = digest_key.key_path()
+    folder = container_key_folder(key)
+    volumes[str(folder)] = {"bind": DIGEST_KEY_MOUNT, "mode": "rw"}
+    environment[envvars.DIGEST_KEY] = f"{DIGEST_KEY_MOUNT}/{key.name}"
     if request.hub_cache:  # the host's hub cache where the image's huggingface_hub looks for it
         _writable_for_image_user(request.hub_cache)
         volumes[str(request.hub_cache)] = {"bind": IMAGE.hub_cache, "mode": "rw"}

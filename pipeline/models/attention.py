@@ -5,8 +5,8 @@
   Inductor can target: CPU (with models/cpu_overrides.py's dense-mask replacement for the backward)
   and CUDA.
 - `document_sdpa`: no Inductor anywhere, for `neuron`, whose torch.compile backend lowers through
-  StableHLO to neuronx-cc and does not use Inductor (torch/compile/about-torch-compile,
-  shared/notes/neuron.md). torchtitan's `varlen` backend builds the per-document metadata with plain
+  StableHLO to neuronx-cc and does not use Inductor (neuron:torch/compile/about-torch-compile.html,
+  docs/sources.md). torchtitan's `varlen` backend builds the per-document metadata with plain
   tensor ops; `document_sdpa` replaces its CUDA-only flash-varlen kernel through the override registry
   with F.scaled_dot_product_attention under the same block-causal document mask. Same math as flex.
 """

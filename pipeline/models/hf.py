@@ -29,6 +29,7 @@ from torchtitan.protocols.model import BaseModel
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
 from pipeline.titan import api
+from pipeline.titan.model_spec import ModelDescription
 
 # transformers' attention for the CPU path: SDPA takes the dense block-causal mask built below.
 ATTENTION = "sdpa"
@@ -147,6 +148,15 @@ class HFQwen3(BaseModel):
     @property
     def layers(self) -> nn.ModuleList:
         return self.model.layers
+
+    # torchtitan after #4810 has no ModelSpec: the model class owns its adapter (`state_dict_adapter_cls`, set
+    # below the adapter's definition) and parallelization (BaseModel.parallelize, its abstract _apply_fsdp).
+    def parallelize(self, *, parallel_dims, training, parallelism, compile_config, ac_config, dump_folder, **_):
+        return parallelize_hf_qwen3(self, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
+                                    compile_config=compile_config, ac_config=ac_config, dump_folder=dump_folder)
+
+    def _apply_fsdp(self, *, parallel_dims, training, parallelism) -> None:
+        apply_fsdp(self, parallel_dims=parallel_dims, training=training, parallelism=parallelism)
 
     def verify_module_protocol(self) -> None:
         # transformers' submodules are plain nn.Modules by design; nothing here relies on
@@ -288,19 +298,24 @@ def apply_tp(model: "HFQwen3", tp_mesh, sequence_parallel: bool) -> None:
 
 def parallelize_hf_qwen3(model: HFQwen3, *, parallel_dims, training, parallelism, compile_config, ac_config,
                          dump_folder, **_):
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torchtitan.config import TORCH_DTYPE_MAP
-    from torchtitan.distributed.compile import apply_compile
-    from torchtitan.distributed.fsdp import disable_fsdp_gradient_division, get_fsdp_reshard_after_forward_policy
-
     if parallel_dims.tp_enabled:
         apply_tp(model, parallel_dims.get_mesh("tp"), parallelism.enable_sequence_parallel)
     if ac_config is not None:
         ac_config.build(dump_folder=dump_folder).apply(model.model)
-    if compile_config.enable and "model" in compile_config.components:
+    if compile_config is not None and compile_config.enable and "model" in compile_config.components:
+        from torchtitan.distributed.compile import apply_compile
+
         apply_compile(model.model, compile_config=compile_config, parallel_dims=parallel_dims)
-    if not parallel_dims.fsdp_enabled:
-        return model
+    if parallel_dims.fsdp_enabled:
+        apply_fsdp(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism)
+    return model
+
+
+def apply_fsdp(model: HFQwen3, *, parallel_dims, training, parallelism) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torchtitan.config import TORCH_DTYPE_MAP
+    from torchtitan.distributed.fsdp import disable_fsdp_gradient_division, get_fsdp_reshard_after_forward_policy
+
     # Plain FSDP2 on the data-parallel submesh: transformers' parameters are not DTensors on
     # torchtitan's full SPMD mesh, which fully_shard's dp_mesh_dims mode requires.
     mesh = parallel_dims.get_mesh(["dp_replicate", "dp_shard"] if parallel_dims.dp_replicate_enabled else "dp_shard")
@@ -319,7 +334,6 @@ def parallelize_hf_qwen3(model: HFQwen3, *, parallel_dims, training, parallelism
     fully_shard(model, **common)
     # torchtitan divides the loss by the global token count itself.
     disable_fsdp_gradient_division(model)
-    return model
 
 
 _FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
@@ -386,15 +400,17 @@ class HFQwen3StateDictAdapter(StateDictAdapter):
         return out
 
 
-def model_spec(config_json: dict, name: str):
-    from torchtitan.protocols.model_spec import ModelSpec
+HFQwen3.state_dict_adapter_cls = HFQwen3StateDictAdapter
 
-    return ModelSpec(
+
+def describe(config_json: dict, name: str, seq_len: int) -> ModelDescription:
+    """transformers' rotary embedding keeps no cache (cos/sin come from inv_freq per batch): `seq_len` reaches
+    torchtitan as the spec's max_context_length (#4328) and the limit update_from_config checks."""
+    return ModelDescription(
         name="hf_qwen3",
         flavor=name,
         model=HFQwen3.Config(config_json=config_json),
+        max_context_length=seq_len,
         parallelize_fn=parallelize_hf_qwen3,
-        pipelining_fn=None,
-        post_optimizer_build_fn=None,
         state_dict_adapter=HFQwen3StateDictAdapter,
     )

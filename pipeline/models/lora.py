@@ -16,16 +16,16 @@ def targets(settings) -> list[str]:
     return list(settings.lora_targets) or list(DEFAULT_TARGETS)
 
 
-def apply(model_spec, settings):
-    """The model spec with its model config converted, when settings.lora_rank > 0."""
+def apply(description, settings):
+    """The model description (pipeline.titan.model_spec) with its model config converted, when settings.lora_rank > 0."""
     if settings.lora_rank <= 0:
-        return model_spec
+        return description
     from torchtitan.components.lora import LoRAConverter
     from torchtitan.protocols.module import Module
 
     converter = LoRAConverter.Config(rank=settings.lora_rank, alpha=settings.lora_alpha,
                                      target_modules=targets(settings)).build()
-    model = converter.convert(model_spec.model)
+    model = converter.convert(description.model)
     # The converter freezes every other module by swapping its config for a dynamic "Frozen…"
     # subclass; the override registry's exact-type overrides (CPU attention, NKI kernels) would then
     # match nothing. Those configs get their own class back (a subclass adds no fields) and the
@@ -40,8 +40,7 @@ def apply(model_spec, settings):
             parent[attr] = unfrozen
         else:
             setattr(parent, attr, unfrozen)
-    model_spec.model = model
-    return model_spec
+    return description.with_model(model)
 
 
 def _unfrozen(cfg):

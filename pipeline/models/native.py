@@ -8,14 +8,17 @@ the checkpoint's numbers so the layer/parameter-init conventions stay torchtitan
 from __future__ import annotations
 
 from pipeline.checkpoint.arch import TITAN_RMS_NORM_EPS, Qwen3Arch
-from pipeline.titan import accessors, api
+from pipeline.titan import accessors
+from pipeline.titan.model_spec import ModelDescription, context_kwargs, optional_name, rope_config
 
 
-def model_config(arch: Qwen3Arch, attn_backend: str = "flex"):
+def model_config(arch: Qwen3Arch, attn_backend: str = "flex", *, max_context_length: int):
+    """The model config, its RoPE caches `max_context_length` (the run's seq_len) long: torchtitan after #4328
+    keeps them as built (at max_position_embeddings, 262,144 positions for the 4B: ~9 GiB per rank)."""
     from torchtitan.models import qwen3 as titan_qwen3
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
 
-    rope = api.rope_config(CosSinRoPE, dim=arch.head_dim, max_len=arch.max_position_embeddings, theta=arch.rope_theta)
+    rope = rope_config(CosSinRoPE, dim=arch.head_dim, max_len=max_context_length, theta=arch.rope_theta)
     common = dict(
         fuse_qkv=True,
         n_layers=arch.num_hidden_layers,
@@ -43,6 +46,7 @@ def model_config(arch: Qwen3Arch, attn_backend: str = "flex"):
     assert accessors.qwen3_eps() == TITAN_RMS_NORM_EPS
     inits = accessors.qwen3_inits(arch.tie_word_embeddings)
     return titan_qwen3.Qwen3Model.Config(
+        **context_kwargs(titan_qwen3.Qwen3Model.Config, max_context_length),
         vocab_size=arch.vocab_size,
         dim=arch.hidden_size,
         norm=accessors.qwen3_norm(arch.hidden_size),
@@ -58,7 +62,7 @@ def model_config(arch: Qwen3Arch, attn_backend: str = "flex"):
     )
 
 
-def model_spec(arch: Qwen3Arch, name: str, attn_backend: str = "flex", shard: bool = True):
+def describe(arch: Qwen3Arch, name: str, seq_len: int, attn_backend: str = "flex", shard: bool = True) -> ModelDescription:
     """`shard=False` skips FSDP: torchtitan's parallelize_qwen3 wraps the model in FSDP2 even on one
     rank, where there is nothing to shard and, with parameters already in the compute dtype, nothing
     to cast; it then only copies every parameter and gradient in and out of flat buffers each step
@@ -67,14 +71,18 @@ def model_spec(arch: Qwen3Arch, name: str, attn_backend: str = "flex", shard: bo
 
     from torchtitan.components.optimizer import register_moe_load_balancing_hook
     from torchtitan.distributed.pipeline_parallel import pipeline_llm
-    from torchtitan.models.qwen3 import Qwen3StateDictAdapter, parallelize_qwen3
-    from torchtitan.protocols.model_spec import ModelSpec
+    from torchtitan.models.qwen3 import Qwen3StateDictAdapter
 
-    return ModelSpec(
+    # per-model parallelize.py is gone after #4810 (Qwen3Model parallelizes itself; FSDP then also on one rank)
+    parallelize_qwen3 = optional_name("torchtitan.models.qwen3", "parallelize_qwen3")
+    if parallelize_qwen3 is not None and not shard:
+        parallelize_qwen3 = functools.partial(parallelize_qwen3, skip_dp=True)
+    return ModelDescription(
         name="qwen3",
         flavor=name,
-        model=model_config(arch, attn_backend),
-        parallelize_fn=parallelize_qwen3 if shard else functools.partial(parallelize_qwen3, skip_dp=True),
+        model=model_config(arch, attn_backend, max_context_length=seq_len),
+        max_context_length=seq_len,
+        parallelize_fn=parallelize_qwen3,
         pipelining_fn=pipeline_llm,
         post_optimizer_build_fn=register_moe_load_balancing_hook if arch.is_moe else None,
         state_dict_adapter=Qwen3StateDictAdapter,

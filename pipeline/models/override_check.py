@@ -23,9 +23,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 from pipeline.errors import PipelineError
-from pipeline.titan import accessors
-
-ROOT = "model_spec.model"  # where Trainer.Config holds the model config
+from pipeline.titan import accessors, model_spec
 
 
 @dataclass
@@ -70,16 +68,17 @@ def registered(name: str):
 def all_module_fqns(model_config) -> list[str]:
     from torchtitan.config.configurable import Configurable
 
-    return [fqn for fqn, *_ in accessors.traverse(model_config, Configurable.Config, ROOT, recurse=True)]
+    return [fqn for fqn, *_ in accessors.traverse(model_config, Configurable.Config, model_spec.fqn_root(), recurse=True)]
 
 
 def check(imports: list, model_config) -> CheckReport:
     names = [_entry_name(e) for e in imports]
     everything = all_module_fqns(model_config)
+    root = model_spec.fqn_root()  # where Trainer.Config holds the model config
     matches, warnings = [], []
     for name in names:
         ov = registered(name)
-        found = [fqn for fqn, cfg, _, _ in accessors.traverse(model_config, ov.target_cls, ROOT)
+        found = [fqn for fqn, cfg, _, _ in accessors.traverse(model_config, ov.target_cls, root)
                  if (not ov.exact or type(cfg) is ov.target_cls) and ov.matches(fqn)]
         matches.append(OverrideMatch(name, ov.target_cls.__qualname__.removesuffix(".Config"), ov.fqns, found))
         if not found:
@@ -115,7 +114,7 @@ def check_spec(spec) -> CheckReport:
     from pipeline.models import attention_backends, native
 
     backend = attention_backends.titan_backend(spec.settings.attention_backend)
-    return check(spec.overrides, native.model_config(spec.arch, backend))
+    return check(spec.overrides, native.model_config(spec.arch, backend, max_context_length=spec.settings.seq_len))
 
 
 def check_in_child(spec) -> CheckReport:

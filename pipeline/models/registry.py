@@ -1,6 +1,7 @@
 """The training paths, torchtitan-style: one registry entry per path; no other module knows the list.
 
-An entry says how the path's model spec is built (inside each rank), which torchtitan
+An entry says how the path's model is described to torchtitan (inside each rank; pipeline.titan.model_spec
+turns the description into what the installed torchtitan takes), which torchtitan
 `override.imports` it takes on which target, and its optional launcher-side preparation (the nki
 path picks kernels and checks their constraints). Importable without torch: builders import what
 they need when called.
@@ -71,7 +72,7 @@ HF_TP_PLAN = TensorParallelPlan(("attention", "mlp", "embedding", "lm_head"), Tr
 class TrainingPath:
     name: str
     summary: str
-    build: Callable[[RunSpec], object]  # RunSpec -> torchtitan ModelSpec
+    build: Callable[[RunSpec], object]  # RunSpec -> pipeline.titan.model_spec.ModelDescription
     overrides: Callable[[str, TrainSettings], tuple[str, ...]] = lambda target, settings: ()  # -> override.imports
     prepare: Callable[[RunSpec, bool], None] | None = None  # launcher side (spec, dry_run); no torch
     landmarks: PlanLandmarks = NATIVE_LANDMARKS
@@ -85,6 +86,9 @@ class TrainingPath:
     # Whether the model's attention is torchtitan's, so attention_backend chooses it (transformers' own
     # modules run their own attention).
     titan_attention: bool = True
+    # Whether each layer keeps a RoPE cache of seq_len × 2·head_dim float32 (torchtitan's CosSinRoPE, sized at the
+    # run's seq_len: pipeline.models.native); transformers' rotary embedding keeps only inv_freq.
+    rope_cache_per_layer: bool = True
     colour: str = "tab:gray"  # report: fixed per path so a path keeps its look from report to report
     line: tuple[str, str] = ("-", "o")
 
@@ -94,18 +98,19 @@ def _native(spec: RunSpec):
 
     # FSDP on one rank shards nothing; it still casts parameters when they train in a lower precision.
     shard = spec.world_size > 1 or spec.settings.dtype != "float32"
-    return lora.apply(native.model_spec(spec.arch, spec.model_key,
-                                        attention_backends.titan_backend(spec.settings.attention_backend), shard=shard),
+    return lora.apply(native.describe(spec.arch, spec.model_key, spec.settings.seq_len,
+                                      attention_backends.titan_backend(spec.settings.attention_backend), shard=shard),
                       spec.settings)
 
 
 def _hf(spec: RunSpec):
-    import json
     from pathlib import Path
 
+    from pipeline.fsutil import read_json_object
     from pipeline.models import hf
 
-    return hf.model_spec(json.loads((Path(spec.source_dir) / "config.json").read_text()), spec.model_key)
+    config = read_json_object(Path(spec.source_dir) / "config.json", "run `make download … FORCE=1`.")
+    return hf.describe(config, spec.model_key, spec.settings.seq_len)
 
 
 def _native_overrides(target: str, settings: TrainSettings) -> tuple[str, ...]:
@@ -146,6 +151,7 @@ PATHS: dict[str, TrainingPath] = {
     for p in (
         TrainingPath("hf", "Transformers v5's own Qwen3 (AutoModelForCausalLM from config.json) trained by torchtitan",
                      _hf, prepare=_prepare_hf, landmarks=HF_LANDMARKS, tp_plan=HF_TP_PLAN, lora=False, titan_attention=False,
+                     rope_cache_per_layer=False,
                      colour="tab:blue",
                      line=("-", "o")),
         TrainingPath("native", "torchtitan's own Qwen3 (dense and MoE)", _native, overrides=_native_overrides,

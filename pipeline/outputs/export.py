@@ -2,10 +2,13 @@
 
 The trainer already wrote the model of a run's last step in HF safetensors, through torchtitan's own
 HF writer (step-N/hf: the run's state-dict adapter, DCP's HuggingFaceStorageWriter, the source's
-shard layout, the export dtype). Export checks those files against the source checkpoint (keys,
-shapes, finite values: nothing is trusted because of where it lies), links them into a temporary
-sibling (a copy where the filesystem cannot link), adds config.json (transformers' current form),
-the tokenizer files, the model card and manifest.json (last), and renames it into place only when
+shard layout, the export dtype). Export checks those files against the sha256 the ranks recorded as
+they saved them (step-N/hf/.sha256.json: an edit since, even through a linked export, is named) and
+against the source checkpoint (keys, shapes, finite values: nothing is trusted because of where it
+lies), links them into a temporary sibling (a copy where the filesystem cannot link; a copy with
+save_pretrained's {"format": "pt"} header metadata where the save predates the trainer writing it),
+adds config.json (the source's, only the dtype changed), the generation config and tokenizer files as
+the source has them, the model card and manifest.json (last), and renames it into place only when
 complete. Asked for a narrower dtype than the run saved (float32 → bfloat16), it casts tensor by
 tensor instead; never wider (that precision is gone). DCP's .metadata is a pickle and is never read.
 """
@@ -23,12 +26,13 @@ from pipeline import dtypes
 from pipeline.checkpoint import hf_dir, manifest, stream
 from pipeline.checkpoint.arch import Qwen3Arch, load_arch
 from pipeline.errors import PipelineError
-from pipeline.fsutil import atomic_directory
+from pipeline.fsutil import atomic_directory, give_ordinary_modes, regular_file
 from pipeline.models import registry
 from pipeline.run import model_card, rundir
 from pipeline.run.rundir import RunDir
 
 SINGLE_FILE = "model.safetensors"  # save_pretrained's name for an unsharded checkpoint (no index)
+PEFT_ADAPTER = "default"  # PEFT's adapter name, which save_pretrained leaves out of the saved keys
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,7 @@ class SavedModel:
     shards: list[Path]
     tensors: dict[str, hf_dir.TensorInfo]
     dtype: str  # torch's name
+    hashes: dict[str, str]  # shard name → sha256, checked against what the ranks recorded as they saved it
 
     def names(self) -> dict[Path, str]:
         """Shard → its name in the export: one shard is save_pretrained's single file, with no index."""
@@ -82,7 +87,7 @@ def saved_model(run: RunDir, step: int | None, source_tensors: dict[str, hf_dir.
     names = {dtypes.SAFETENSORS_NAMES.get(code) for code in codes}
     if len(names) != 1 or None in names:
         raise PipelineError(f"{directory} holds tensors of dtypes {sorted(codes)}; the trainer saves one export dtype.", fix)
-    return SavedModel(step, directory, shards, saved, names.pop())
+    return SavedModel(step, directory, shards, saved, names.pop(), run.hf_hashes(step))
 
 
 def check_dtype(saved: SavedModel, dtype: str) -> None:
@@ -120,24 +125,26 @@ def _checked(reader, key: str, where: Path, mapped: bool = False):
 
 def write_shards(saved: SavedModel, tmp: Path, dtype: str) -> dict[str, str]:
     """Each shard linked (the saved dtype) or cast tensor by tensor (a narrower one), every tensor
-    read and checked finite; returns file → sha256: a linked shard's as the trainer hashed it when it
-    saved it (step-N/hf/.sha256.json), a cast one's as it is written."""
+    read and checked finite; returns file → sha256: a linked shard's as the ranks recorded it when they
+    saved it (step-N/hf/.sha256.json, checked by saved_model), a cast one's as it is written."""
     import torch
     from tqdm import tqdm
 
     total = sum(shard.stat().st_size for shard in saved.shards)
     hashes = {}
-    recorded = _recorded_hashes(saved.directory) if dtype == saved.dtype else {}
     with tqdm(total=total, unit="B", unit_scale=True, desc="export", disable=total < stream.PROGRESS_MIN_BYTES) as bar:
         for shard, name in saved.names().items():
             with stream.SafetensorsReader(shard) as reader:
                 keys = reader.keys()
-                if dtype == saved.dtype:
+                if dtype == saved.dtype and stream.has_pt_format(shard):
                     _link(shard, tmp / name)
                     for key in keys:
                         _checked(reader, key, shard, mapped=True)
-                    if shard.name in recorded and recorded[shard.name][1:] == _stat(shard):
-                        hashes[name] = recorded[shard.name][0]
+                    hashes[name] = saved.hashes[shard.name]
+                elif dtype == saved.dtype:  # saved before the trainer marked its shards: a marked copy
+                    for key in keys:
+                        _checked(reader, key, shard, mapped=True)
+                    stream.copy_with_metadata(shard, tmp / name, stream.PT_METADATA)
                 else:
                     entries = [stream.Entry(k, dtype, saved.tensors[k].shape) for k in keys]
                     with stream.SafetensorsWriter(tmp / name, entries, metadata={"format": "pt"}, sync=False) as writer:
@@ -153,32 +160,39 @@ def write_shards(saved: SavedModel, tmp: Path, dtype: str) -> dict[str, str]:
     return hashes
 
 
-def _recorded_hashes(directory: Path) -> dict[str, tuple[str, int, int]]:
-    """Shard → (sha256, bytes, mtime_ns) as the trainer recorded them; none for a save without them, or
-    unreadable ones (then the manifest hashes the files)."""
+def _read_adapters(path: Path) -> dict:
+    """lora_adapters.safetensors, refused in one line when it is no regular file or safetensors cannot parse
+    it (a torn or edited file)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    fix = "train the run again with FRESH=1 (a run's last step saves its adapters)."
+    regular_file(path, fix)
     try:
-        recorded = json.loads((directory / rundir.HF_HASHES).read_text())
-        return {name: (str(v["sha256"]), int(v["bytes"]), int(v["mtime_ns"])) for name, v in recorded.items()}
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
-        return {}
+        return load_file(str(path))
+    except (SafetensorError, OSError) as err:
+        raise PipelineError(f"{path} is not a readable safetensors file ({err}).", fix) from err
 
 
-def _stat(path: Path) -> tuple[int, int]:
-    status = path.stat()
-    return status.st_size, status.st_mtime_ns
+# The keys a config.json names its dtype by: transformers 4.x wrote torch_dtype, 5 writes dtype (and reads both).
+DTYPE_KEYS = ("torch_dtype", "dtype")
 
 
 def write_config(source: Path, tmp: Path, dtype: str, arch: Qwen3Arch) -> None:
-    """config.json in transformers' own current form (rope_parameters, dtype, MoE fields)."""
-    import transformers
+    """config.json: the source's own, every key and value kept in its order (a transformers 4.x config's
+    top-level rope_theta and rope_scaling, which transformers 5 would rewrite into rope_parameters and
+    transformers 4.57 then no longer finds, reading rope_theta 10000), with only what training changed
+    updated: the dtype, under the key the source spells it by (dtype where it names none)."""
+    from pipeline.fsutil import read_small_text
 
-    config = transformers.AutoConfig.from_pretrained(str(source), trust_remote_code=False)
-    config.dtype = dtype
-    config.save_pretrained(str(tmp))
+    config = json.loads(read_small_text(source / hf_dir.CONFIG))
+    for key in [k for k in DTYPE_KEYS if k in config] or ["dtype"]:
+        config[key] = dtype
+    (tmp / hf_dir.CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     written = load_arch(tmp)
     if written.to_dict() != arch.to_dict():
-        raise PipelineError(f"transformers rewrote {source}/config.json into a different architecture.",
-                            "report this; the source config.json may use fields transformers ignores.")
+        raise PipelineError(f"{source}/config.json no longer describes the architecture the run trained.",
+                            "re-download the source checkpoint the run was trained from.")
 
 
 def export(config: ExportConfig) -> Path:
@@ -199,7 +213,7 @@ def export(config: ExportConfig) -> Path:
         write_config(source, tmp, config.dtype, arch)
         for name in hf_dir.CARRIED_FILES:
             if (source / name).exists():
-                shutil.copy2(source / name, tmp / name)
+                shutil.copyfile(source / name, tmp / name)  # not copy2: a read-only source is no read-only export
         hf_dir.validate(tmp)
         model_card.write(tmp, config.run, saved.step, config.dtype)
         # Names, never host paths: the directory is shared as a model repository.
@@ -214,10 +228,13 @@ def export(config: ExportConfig) -> Path:
 
 
 def export_adapter(config: ExportConfig) -> Path:
-    """A LoRA run's adapters as PEFT saves them (adapter_config.json, adapter_model.safetensors), for
-    `PeftModel.from_pretrained(<the source model>, <this directory>)`."""
+    """A LoRA run's adapters written by PEFT itself (LoraConfig, PeftModel.save_pretrained: adapter_config.json,
+    adapter_model.safetensors), with the tokenizer and a card beside them, for
+    `AutoPeftModelForCausalLM.from_pretrained(<this directory>)`: base_model_name_or_path is the source's Hub id
+    (and revision), or a local source's directory (the card says so)."""
     import torch
-    from safetensors.torch import load_file, save_file
+    import transformers
+    from peft import LoraConfig, get_peft_model
 
     from pipeline.titan import lora
 
@@ -235,22 +252,47 @@ def export_adapter(config: ExportConfig) -> Path:
     if not adapters_file.is_file():
         raise PipelineError(f"{adapters_file} does not exist: step {step} was saved without its adapters.",
                             "train the run again with FRESH=1 (a run's last step saves them).")
-    model_spec = registry.get(spec.path).build(spec)
-    adapter = model_spec.state_dict_adapter(model_spec.model, None)
+    trained = _read_adapters(adapters_file)
+    adapter = registry.get(spec.path).build(spec).adapter()
     # The run's own keys and shapes: the HF save's headers mapped back by the run's adapter, on meta tensors.
     saved = hf_dir.read_tensors(hf)
     meta = adapter.from_hf({key: torch.empty(info.shape, device="meta") for key, info in saved.items()})
-    tensors = lora.peft_tensors(load_file(str(adapters_file)), meta,
+    tensors = lora.peft_tensors(trained, meta,
                                 lambda key: next(iter(adapter.to_hf({key: meta[key]}))), spec.arch.num_key_value_heads)
     modules = sorted({key.split(".lora_")[0].rsplit(".", 1)[1] for key in tensors})
-    peft_config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": settings.lora_rank,
-                   "lora_alpha": settings.lora_alpha, "target_modules": modules, "lora_dropout": 0.0,
-                   "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "use_rslora": False,
-                   "base_model_name_or_path": spec.model}
+    base, revision, _on_hub = model_card.base_model(spec)
+    peft_config = LoraConfig(task_type="CAUSAL_LM", r=settings.lora_rank, lora_alpha=settings.lora_alpha,
+                             target_modules=modules, lora_dropout=0.0, bias="none", inference_mode=True,
+                             base_model_name_or_path=base, revision=revision)
+    # PEFT's own model of the adapters over the base architecture, on the meta device (no base weights are
+    # read or held): the run's adapters are assigned into it and PEFT writes them. Assigned directly, under
+    # PEFT's in-model names (<module>.lora_A.<adapter name>.weight): set_peft_model_state_dict would move
+    # them onto their base layer's device, here meta (peft/utils/save_and_load.py, low_cpu_mem_usage).
+    source = Path(spec.source_dir)
+    hf_config = transformers.AutoConfig.from_pretrained(str(source))
+    hf_config._name_or_path = base  # get_peft_model takes base_model_name_or_path from the model's name
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    peft_model = get_peft_model(model, peft_config, adapter_name=PEFT_ADAPTER, low_cpu_mem_usage=True)
+    named = {key.replace(".lora_A.", f".lora_A.{PEFT_ADAPTER}.").replace(".lora_B.", f".lora_B.{PEFT_ADAPTER}."):
+             value.to(getattr(torch, config.dtype)) for key, value in tensors.items()}
+    loaded = peft_model.load_state_dict(named, strict=False, assign=True)
+    empty = [name for name, param in peft_model.named_parameters() if ".lora_" in name and param.is_meta]
+    if loaded.unexpected_keys or empty:
+        raise PipelineError(f"PEFT's LoRA model of {source.name} does not take the run's adapters (unexpected "
+                            f"{loaded.unexpected_keys[:3]}, not given {empty[:3]}).",
+                            "report this: the run's adapted modules do not map onto the transformers model.")
     with atomic_directory(target, replace=config.force) as tmp:
-        save_file({k: v.to(getattr(torch, config.dtype)) for k, v in tensors.items()},
-                  str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-        (tmp / "adapter_config.json").write_text(json.dumps(peft_config, indent=2) + "\n")
+        # No embedding layer is adapted (the vocabulary is the source's): "auto" would look the base model's
+        # config.json up on the Hub to compare vocabularies (peft/utils/save_and_load.py).
+        peft_model.save_pretrained(str(tmp), save_embedding_layers=False)
+        for name in hf_dir.TOKENIZER_FILES:
+            if (source / name).exists():
+                shutil.copyfile(source / name, tmp / name)
+        model_card.write(tmp, config.run, step, config.dtype, adapter=True,
+                         verdict="the merged export's (`make verify-checkpoint`); these adapters are its difference "
+                                 "from the base model")
+        give_ordinary_modes(*(p for p in tmp.iterdir() if p.is_file()))  # PEFT's safetensors are 0600
         manifest.write(tmp, {"step": step, "dtype": config.dtype, "model": spec.model, "run": config.run.path.name,
                              "path": spec.path, "adapters": adapters_file.name})
     print(f"exported the LoRA adapters of step {step} of {config.run.path} → {target} ({len(tensors) // 2} adapted "

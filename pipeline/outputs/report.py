@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.errors import PipelineError
-from pipeline.fsutil import atomic_directory
+from pipeline.fsutil import atomic_directory, read_small_text
 from pipeline.models import registry
 from pipeline.run import rundir, store
 from pipeline.run.rundir import RunDir
@@ -29,6 +29,7 @@ class Run:
     planned_steps: int | None = None
     verify: dict | None = None
     train_path: str | None = None  # run.json's path (a named run's folder is its RUN_NAME)
+    kind: str = "pretraining"  # or "chat" (run.json's data_format): drawn in a loss panel of its own
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
         points = [(r["step"], r[key]) for r in self.records if isinstance(r.get(key), (int, float))]
@@ -72,12 +73,17 @@ def collect(home: store.ModelHome) -> Collection:
     for run_dir in _run_dirs(home.runs):
         records = run_dir.metric_records(collection.warnings)
         if not records:
-            what = "an empty" if run_dir.metrics.is_file() else "no"
-            collection.warnings.append(f"{run_dir.path} has {what} {rundir.METRICS}; it is left out of the report.")
+            failure = run_dir.recorded_failure()
+            if failure is not None:  # what a launch that failed before its first step leaves (failure.json)
+                collection.warnings.append(f"run {run_dir.name} failed before its first step: {failure.get('problem')} "
+                                           f"({run_dir.failure}); it is left out of the report.")
+            else:
+                what = "an empty" if run_dir.metrics.is_file() else "no"
+                collection.warnings.append(f"{run_dir.path} has {what} {rundir.METRICS}; it is left out of the report.")
             collection.without_metrics.append(run_dir.name)
             continue
         collection.runs.append(Run(run_dir.name, run_dir.path, records, _planned_steps(run_dir),
-                                   _read_verify(run_dir.verify, collection), _train_path(run_dir)))
+                                   _read_verify(run_dir.verify, collection), _train_path(run_dir), _kind(run_dir)))
     _add_notes(collection)
     if not collection.runs:
         empty = f" (without: {', '.join(collection.without_metrics)})" if collection.without_metrics else ""
@@ -107,12 +113,19 @@ def _train_path(run_dir: RunDir) -> str | None:
         return None
 
 
+def _kind(run_dir: RunDir) -> str:
+    try:
+        return "chat" if run_dir.spec().data_format == "chat" else "pretraining"
+    except (PipelineError, OSError, ValueError, KeyError, TypeError):
+        return "pretraining"
+
+
 def _read_verify(path: Path, collection: Collection) -> dict | None:
     if not path.is_file():
         return None
     try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
+        data = json.loads(read_small_text(path))
+    except (OSError, json.JSONDecodeError, PipelineError) as err:
         collection.warnings.append(f"{path} is unreadable ({err}); its verify result is left out.")
         return None
     if not isinstance(data, dict) or "passed" not in data:
@@ -177,7 +190,7 @@ def render_summary(collection: Collection, summaries: list[RunSummary]) -> str:
             ("median tokens/s after step 1", _fmt(s.median_tokens_per_s, ",.1f", " (all ranks)")),
             ("median MFU after step 1", _fmt(s.median_mfu, ".2f", " %")),
             ("peak memory", _fmt(s.peak_memory_gib, ".2f", " GiB") + (f" ({s.memory_kind})" if s.memory_kind else "")),
-            ("verify", _verify_cell(s.verify)),
+            ("verify", verify_cell(s.verify)),
         ]
         if s.verify is not None:
             rows += _verify_rows(s.verify)
@@ -194,7 +207,7 @@ def _eval_cell(points: list[tuple[int, float]]) -> str:
     return f"{first:.6f} (step {first_step}) → {last:.6f} (step {last_step}), {len(points)} evals"
 
 
-def _verify_cell(verify: dict | None) -> str:
+def verify_cell(verify: dict | None) -> str:
     if verify is None:
         return "not run (no verify.json)"
     checks = verify.get("checks") or []
@@ -217,57 +230,127 @@ def _verify_rows(verify: dict) -> list[tuple[str, str]]:
     return rows
 
 
-def _look(path: str) -> registry.TrainingPath:
-    """A path's colour and line style; a run directory of no known path gets a neutral look."""
-    return registry.PATHS.get(path) or registry.TrainingPath(path, "", build=lambda spec: None)
+# Named runs (sft, lora, mine, …) take these in turn: none is a path's colour or marker, so a path's run keeps
+# its look from report to report and no two runs of one report share a colour or a marker (up to 10 named runs).
+RUN_COLOURS = ("tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "black", "gold",
+               "navy", "lime")
+RUN_MARKERS = ("D", "v", "P", "X", "*", "h", "<", ">", "p", "d")
+KINDS = (("pretraining", "Training loss: pretraining"), ("chat", "Training loss: chat fine-tuning (eval loss dotted)"))
+
+
+@dataclass(frozen=True)
+class Look:
+    colour: str
+    linestyle: str
+    marker: str
+
+
+def looks(runs: list[Run]) -> dict[str, Look]:
+    """One look per run: a path's run (its folder is the path's name) the registry's; every other run the next
+    unused colour and marker, in the line style of the path it trained on."""
+    found, named = {}, 0
+    taken_colours = {p.colour for p in registry.PATHS.values()}
+    taken_markers = {p.line[1] for p in registry.PATHS.values()}
+    colours = [c for c in RUN_COLOURS if c not in taken_colours]
+    markers = [m for m in RUN_MARKERS if m not in taken_markers]
+    for r in runs:
+        if r.path in registry.PATHS:
+            entry = registry.PATHS[r.path]
+            found[r.path] = Look(entry.colour, entry.line[0], entry.line[1])
+            continue
+        base = registry.PATHS.get(r.train_path or "")
+        found[r.path] = Look(colours[named % len(colours)], base.line[0] if base else "-", markers[named % len(markers)])
+        named += 1
+    return found
+
+
+def _label(r: Run) -> str:
+    return r.path if r.train_path in (None, r.path) else f"{r.path} ({r.train_path})"
 
 
 def draw_curves(collection: Collection, output: Path) -> None:
+    figure(collection).savefig(output, format="png")
+
+
+def figure(collection: Collection):
+    """The curves of every run: a loss panel per kind of run (pretraining, chat), grad norm, throughput and
+    memory, and a panel holding the legend."""
     # Figure + the Agg canvas directly, not pyplot: no backend selection, no window, no global state.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+
+    drawn = Figure(figsize=(16, 9), dpi=100, layout="constrained")
+    FigureCanvasAgg(drawn)
+    axes = drawn.subplots(2, 3)
+    look = looks(collection.runs)
+    kinds = sorted({rec["memory_kind"] for r in collection.runs for rec in r.records if rec.get("memory_kind")})
+    for (kind, title), ax in zip(KINDS, axes[0][:2]):
+        runs = [r for r in collection.runs if r.kind == kind]
+        for r in runs:
+            _plot(ax, r, "loss", look[r.path])
+            if r.series("eval_loss")[0]:  # held-out eval loss beside the training loss: dotted, hollow markers
+                a = look[r.path]
+                ax.plot(*r.series("eval_loss"), linestyle=":", marker=a.marker, markersize=7, linewidth=1.5,
+                        color=a.colour, markerfacecolor="white")
+        _label_step1(ax, runs, look)
+        _decorate(ax, title, "loss (cross-entropy, nats)")
+        if not runs:
+            ax.text(0.5, 0.5, f"no {kind} run", transform=ax.transAxes, ha="center", va="center", color="gray")
+    panels = [
+        (axes[0][2], "grad_norm", "grad norm (L2, before clipping)", "Gradient norm"),
+        (axes[1][0], "tokens_per_s", "tokens/s (all ranks)", "Throughput"),
+        (axes[1][1], "memory_gib", f"memory (GiB{', ' + ', '.join(kinds) if kinds else ''})", "Peak memory"),
+    ]
+    for ax, key, ylabel, title in panels:
+        for r in collection.runs:
+            _plot(ax, r, key, look[r.path])
+        _decorate(ax, title, ylabel)
+    # The legend has a panel of its own: it never covers a curve, and names every run (with its path).
+    legend_ax = axes[1][2]
+    legend_ax.axis("off")
+    handles = [Line2D([], [], color=look[r.path].colour, linestyle=look[r.path].linestyle,
+                      marker=look[r.path].marker, markersize=7, linewidth=1.8, label=f"{_label(r)}: {r.kind}")
+               for r in collection.runs]
+    if any(r.series("eval_loss")[0] for r in collection.runs):
+        handles.append(Line2D([], [], color="gray", linestyle=":", marker="o", markerfacecolor="white",
+                              label="eval loss (held out), in the run's colour"))
+    handles.append(Line2D([], [], color="gray", linestyle="", marker="*", markersize=12, markeredgecolor="black",
+                          label="step-1 loss (value labelled)"))
+    legend_ax.legend(handles=handles, title="runs", loc="upper left", fontsize=10, title_fontsize=11, frameon=False)
+    drawn.suptitle(f"{collection.model}: {len(collection.runs)} run(s)", fontsize=14)
+    return drawn
+
+
+def _plot(ax, r: Run, key: str, look: Look) -> None:
+    steps, values = r.series(key)
+    if steps:
+        ax.plot(steps, values, linestyle=look.linestyle, marker=look.marker, markersize=5, linewidth=1.8,
+                color=look.colour, label=_label(r))
+
+
+def _decorate(ax, title: str, ylabel: str) -> None:
     from matplotlib.ticker import MaxNLocator
 
-    figure = Figure(figsize=(13, 8.5), dpi=100, layout="constrained")
-    FigureCanvasAgg(figure)
-    axes = figure.subplots(2, 2, sharex=True)
-    kinds = sorted({rec["memory_kind"] for r in collection.runs for rec in r.records if rec.get("memory_kind")})
-    panels = [
-        ("loss", "loss (cross-entropy, nats)", "Training loss"),
-        ("grad_norm", "grad norm (L2, before clipping)", "Gradient norm"),
-        ("tokens_per_s", "tokens/s (all ranks)", "Throughput"),
-        ("memory_gib", f"memory (GiB{', ' + ', '.join(kinds) if kinds else ''})", "Peak memory"),
-    ]
-    for ax, (key, ylabel, title) in zip(axes.flat, panels):
-        for r in collection.runs:
-            steps, values = r.series(key)
-            if steps:
-                linestyle, marker = _look(r.path).line
-                ax.plot(steps, values, linestyle=linestyle, marker=marker, markersize=4, linewidth=1.8,
-                        color=_look(r.path).colour, label=r.path)
-            if key == "loss" and r.series("eval_loss")[0]:  # held-out eval loss beside the training loss
-                ax.plot(*r.series("eval_loss"), linestyle=":", marker="s", markersize=5, linewidth=1.5,
-                        color=_look(r.path).colour, label=f"{r.path} eval (held out)")
-        ax.set_title(title, fontsize=12)
-        ax.set_ylabel(ylabel, fontsize=10)
-        ax.grid(True, alpha=0.3)
-    loss_ax = axes.flat[0]
-    marked = 0
-    for r in collection.runs:
-        step1 = next((rec["loss"] for rec in r.records if rec["step"] == 1), None)
-        if step1 is not None:
-            loss_ax.scatter([1], [step1], s=90, marker="*", zorder=3, color=_look(r.path).colour, edgecolors="black")
-            # Stacked labels: equal step-1 losses (the point of comparing paths) would otherwise overprint.
-            loss_ax.annotate(f"{r.path} step 1: {step1:.6f}", (1, step1), xytext=(10, 6 - 13 * marked),
-                             textcoords="offset points", fontsize=9, color=_look(r.path).colour)
-            marked += 1
-    for ax in axes[1]:
-        ax.set_xlabel("step", fontsize=10)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    loss_ax.legend(title="path", fontsize=9)
-    figure.suptitle(f"{collection.model}: {len(collection.runs)} run(s) — {', '.join(r.path for r in collection.runs)}",
-                    fontsize=14)
-    figure.savefig(output, format="png")
+    ax.set_title(title, fontsize=12)
+    ax.set_ylabel(ylabel, fontsize=10)
+    ax.set_xlabel("step", fontsize=10)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(True, alpha=0.3)
+
+
+def _label_step1(ax, runs: list[Run], look: dict[str, Look]) -> None:
+    """A star at each run's step-1 loss and its value, the labels stacked in one column at the panel's right
+    (highest loss on top), one line apart: equal step-1 losses (the point of comparing paths) never overprint."""
+    marked = sorted(((rec["loss"], r) for r in runs for rec in r.records if rec["step"] == 1),
+                    key=lambda item: -item[0])
+    for i, (loss, r) in enumerate(marked):
+        a = look[r.path]
+        ax.scatter([1], [loss], s=110, marker="*", zorder=3, color=a.colour, edgecolors="black")
+        ax.annotate(f"{r.path} step 1: {loss:.6f}", (1, loss), xytext=(0.98, 0.97 - 0.075 * i),
+                    textcoords="axes fraction", ha="right", va="top", fontsize=8.5, color=a.colour, gid="step1-label",
+                    bbox=dict(boxstyle="square,pad=0.1", facecolor="white", edgecolor="none", alpha=0.8),
+                    arrowprops=dict(arrowstyle="-", color=a.colour, alpha=0.4, linewidth=0.8))
 
 
 def write_report(collection: Collection, target: Path) -> Path:

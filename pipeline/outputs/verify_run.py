@@ -3,7 +3,9 @@
   config   config.json's architecture equals run.json's (rope_theta, shapes, tying, MoE fields)
   weights  every tensor equals the model the run saved at the exported step
            (checkpoint/step-N/hf, torchtitan's HF save, cast to the export dtype exactly as
-           export does), bitwise
+           export does), bitwise; and that save's shards still have the sha256 its ranks recorded
+           as they wrote them (step-N/hf/.sha256.json): export links them, so an edit of a linked
+           export edits them too, and only the record tells
 
 manifest.json only proves the files are the ones export wrote; an export edited afterwards with a
 manifest rewritten to match passes it, and these two checks catch it.

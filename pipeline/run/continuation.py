@@ -7,10 +7,15 @@ the keys that differ and the two ways on: a new RUN_NAME, or FRESH=1.
 
 FRESH=1 moves the old run aside with one rename (a killed discard leaves either the whole old run
 or none of it, never a step's .metadata without its shards) and only then deletes it.
+
+A launch that fails before the run made any progress leaves only failure.json in its directory (what
+went wrong, the fix, and the last lines of its output): no run.json, logs or half-made folders for a
+re-run, the report or a user to take for a run. The next launch replaces it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -19,14 +24,18 @@ import uuid
 from pathlib import Path
 
 from pipeline.errors import PipelineError
-from pipeline.run.rundir import DCP_METADATA, RunDir
+from pipeline.fsutil import atomic_write_text, read_json_object
+from pipeline.run import settings as settings_mod
+from pipeline.run.rundir import DCP_METADATA, FAILURE, LOCK, RunDir
 
 # Recorded fields that do not make a different experiment: the step count (more STEPS continues
 # the run), where the run lives, and what the pipeline derives (memory estimate, the nki plan and
 # override imports follow from the settings and may change with the pipeline's version), and the dtype
 # of the last step's HF save (a run resumed at its last step with another one saves its model again in it).
-NOT_COMPARED = {"settings.steps", "settings.export_dtype", "run_dir", "memory", "nki", "overrides", "record_plan", "peak_flops_per_rank"}
+NOT_COMPARED = {*(f"settings.{name}" for name in settings_mod.named("continues")),
+                "run_dir", "memory", "nki", "overrides", "record_plan", "peak_flops_per_rank"}
 DISCARDED_PREFIX = ".discarded-"
+FAILURE_TAIL_LINES = 60  # of torchrun's output (rank 0's lines and torchrun's error summary), kept in failure.json
 
 
 def flatten(record: dict) -> dict:
@@ -41,10 +50,22 @@ def flatten(record: dict) -> dict:
 
 
 def differences(recorded: dict, resolved: dict) -> list[str]:
-    """The compared keys whose values differ (settings.* named by the setting alone)."""
+    """The compared keys whose values differ (settings.* named by the setting alone); a path (source_dir,
+    data_file, a DATASET given as one) is the same path when it is, or when it lies where it lay
+    relative to the run's own directory: a clone or checkpoints root moved as a whole keeps its runs."""
     old, new = flatten(_with_defaults(recorded)), flatten(resolved)
     keys = sorted((set(old) | set(new)) - NOT_COMPARED)
-    return [k.removeprefix("settings.") for k in keys if old.get(k) != new.get(k)]
+    return [k.removeprefix("settings.") for k in keys
+            if old.get(k) != new.get(k) and not _same_place(old.get(k), old.get("run_dir"), new.get(k), new.get("run_dir"))]
+
+
+def _same_place(old, old_run: str | None, new, new_run: str | None) -> bool:
+    """Two absolute paths at the same place relative to their run directories (the paths as recorded,
+    never resolved: a link's own location is what moved)."""
+    paths = (old, old_run, new, new_run)
+    if not all(isinstance(p, str) and os.path.isabs(p) for p in paths):
+        return False
+    return os.path.relpath(old, old_run) == os.path.relpath(new, new_run)
 
 
 def _with_defaults(recorded: dict) -> dict:
@@ -63,17 +84,37 @@ def has_progress(run: RunDir) -> bool:
     return bool(run.checkpoint_steps()) or bool(run.metric_records())
 
 
+def leave_only_the_failure(run: RunDir, problem: str, fix: str, output_tail: list[str] = ()) -> bool:
+    """When `run` has no progress: delete all it holds but failure.json, written with the problem, the fix
+    and `output_tail` (a rank's recorded failure keeps its keys). False (nothing touched) otherwise."""
+    if not run.path.is_dir() or has_progress(run):
+        return False
+    record = {**(run.recorded_failure() or {}), "problem": problem, "fix": fix}
+    if output_tail:
+        record["output_tail"] = "".join(output_tail[-FAILURE_TAIL_LINES:])
+    for item in run.path.iterdir():
+        if item.name in (FAILURE, LOCK):  # the lock goes as its holder lets go
+            continue
+        if item.is_dir() and not item.is_symlink():
+            shutil.rmtree(item, ignore_errors=True)
+        else:
+            item.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):  # a full disk: the launcher's one line still says what happened
+        atomic_write_text(run.failure, json.dumps(record, indent=1) + "\n")
+    return True
+
+
 def check_continues(run: RunDir, spec) -> None:
     """Refuse, in one line, a launch that would continue `run` with other settings or fewer steps."""
     run_name = run.name
 
-    if not run.run_json.is_file() or not has_progress(run):
+    if not run.run_json.exists() or not has_progress(run):  # a FIFO there is refused below, not skipped
         return
+    fix = "start it again with FRESH=1, or give the new run another RUN_NAME."
     try:
-        recorded = json.loads(run.run_json.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise PipelineError(f"{run.run_json} is unreadable ({err}); the run there cannot be continued.",
-                            "start it again with FRESH=1, or give the new run another RUN_NAME.") from err
+        recorded = read_json_object(run.run_json, fix)
+    except OSError as err:
+        raise PipelineError(f"{run.run_json} is unreadable ({err}); the run there cannot be continued.", fix) from err
     ways_on = (f"give the new experiment its own name (RUN_NAME=<name>), or discard run {run_name!r} with FRESH=1")
     recorded = _with_defaults(recorded)
     changed = differences(recorded, spec.to_dict())

@@ -15,11 +15,12 @@ import tomllib
 from dataclasses import dataclass, fields
 
 from pipeline.errors import PipelineError
+from pipeline.run import settings as settings_mod
 from pipeline.run.settings import CONFIG_DIR, TrainSettings
 
 MODELS_TOML = CONFIG_DIR / "models.toml"
-# The settings a step-1 loss depends on besides the weights (TrainSettings fields).
-CONDITION_SETTINGS = ("dataset", "tokenizer", "seq_len", "dtype")
+# The settings a step-1 loss depends on besides the weights (their fields say `condition`).
+CONDITION_SETTINGS = settings_mod.named("condition")
 BASES = ("source", "assumed", "unknown")
 
 
@@ -87,7 +88,7 @@ def load(model: str | None, text: str | None = None) -> Step1Expectation | None:
         raise PipelineError(f"{where}: conditions {sorted(given)}, expected exactly {list(CONDITION_SETTINGS)}.", fix)
     types = {f.name: f.type for f in fields(TrainSettings)}
     conditions = []
-    for setting in CONDITION_SETTINGS:
+    for setting in given:  # in the file's order (the check above: exactly CONDITION_SETTINGS)
         entry = given[setting]
         basis = entry.get("basis")
         if basis not in BASES:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,8 +49,20 @@ class ImageLayout:
 
 
 IMAGE = ImageLayout()
-# The Neuron SDK 2.33 PyTorch training DLC (see the Dockerfile for how to pin it by digest).
-DEFAULT_BASE_IMAGE = "public.ecr.aws/neuron/pytorch-training-neuronx:2.14.0-neuronx-py314-sdk2.33.0-ubuntu26.04"
+# The Neuron SDK 2.33 PyTorch training DLC, pinned by digest once `make pin` resolved it (configs/base-image.toml).
+BASE_IMAGE_PIN = LOCK.parent / "configs" / "base-image.toml"
+
+
+def pinned_base_image(path: Path = BASE_IMAGE_PIN) -> str:
+    """configs/base-image.toml's reference, with its digest once one is recorded."""
+    pin = tomllib.loads(Path(path).read_text())
+    reference, digest = pin["reference"], pin.get("digest", "")
+    if digest and not re.fullmatch(r"sha256:[0-9a-f]{64}", digest):
+        raise PipelineError(f"{path}: digest {digest!r} is not sha256:<64 hex>.", "run `make pin` to record it, or clear it.")
+    return f"{reference.split('@', 1)[0]}@{digest}" if digest else reference
+
+
+DEFAULT_BASE_IMAGE = pinned_base_image()
 COMMIT = re.compile(r"@([0-9a-f]{40})$")
 # What the pipeline's own code imports and is tested against: a base image that ships another version of
 # one of these is refused at build (docker/wheelhouse.py) and reported FAIL by doctor, naming both.

@@ -11,7 +11,7 @@ import json
 import re
 from pathlib import Path
 
-from pipeline.fsutil import atomic_write_text
+from pipeline.fsutil import atomic_write_text, read_json_object
 from pipeline.run import store
 
 RECORD = "images.json"
@@ -28,7 +28,7 @@ def is_pinned(reference: str) -> bool:
 
 def records(root: Path | None = None) -> dict:
     path = record_path(root)
-    return json.loads(path.read_text()) if path.exists() else {}
+    return read_json_object(path, f"delete {path} and run `make push` again.") if path.exists() else {}
 
 
 def reference(local_tag: str, root: Path | None = None) -> str | None:

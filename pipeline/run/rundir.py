@@ -5,15 +5,17 @@
   checkpoint/step-N/     torchtitan DCP (complete once its .metadata and every rank's shard exist: what resume uses);
                          a run's last step also holds hf/ (its model in HF safetensors: what export links)
   export/                the HF export                        verify.json     verify's result
-  logs/, tb/             per-rank logs, TensorBoard events    .lock           held by a live launch or export
+  logs/, tb/             per-rank logs, TensorBoard events    .lock           held by a live launch or export (gone after)
   plan/rank*.json        what each rank ran (parallel layout, step 1), when the run records it (rehearse)
-  failure.json           a rank's one-line error (PipelineError), read back by the launcher
+  failure.json           a rank's one-line error (PipelineError), read back by the launcher; a launch that failed
+                         before any progress leaves it alone in the directory (continuation.leave_only_the_failure)
   memory.json            each rank's peak memory against the estimate (pipeline.training.memory)
   ../.reference_loss.json   verify's plain-transformers loss of the source per distinct first batch,
                          beside the runs of every path of the model (runs/), so each is computed once
   saves.jsonl            one line per checkpoint save: seconds and bytes of DCP and of the HF save
-  dcp_digests.json       sha256 of each step's DCP .metadata (a pickle), recorded as the pipeline saves it:
-                         a resume loads a step only when its .metadata still matches (check_dcp_metadata)
+  dcp_digests.json       HMAC-SHA256 of each step's DCP .metadata (a pickle) under the user's key kept outside
+                         the root (pipeline.run.digest_key), recorded as the pipeline saves it: a resume loads a
+                         step only when its .metadata still matches (check_dcp_metadata)
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.errors import PipelineError
+from pipeline.fsutil import read_json_object, regular_file
 
 RUN_JSON = "run.json"
 METRICS = "metrics.jsonl"
@@ -115,7 +118,7 @@ class RunDir:
     def plan_records(self) -> list[dict]:
         """Every rank's plan/rank<N>.json, in rank order."""
         files = sorted(self.plan.glob("rank*.json"), key=lambda f: int(f.stem.removeprefix("rank")))
-        return [json.loads(f.read_text()) for f in files]
+        return [read_json_object(f, "train the run again (FRESH=1): its plan records are not the ranks'.") for f in files]
 
     @property
     def saves(self) -> Path:
@@ -142,8 +145,8 @@ class RunDir:
 
     def recorded_failure(self) -> dict | None:
         try:
-            return json.loads(self.failure.read_text())
-        except (OSError, json.JSONDecodeError):
+            return read_json_object(self.failure, "none: a record no rank wrote is left out.")
+        except (OSError, PipelineError):
             return None
 
     def exists(self) -> bool:
@@ -162,7 +165,22 @@ class RunDir:
         if not self.run_json.exists():
             raise PipelineError(f"{self.run_json} does not exist: no run there.",
                                 "train first, e.g. `make train-native MODEL=tiny`.")
-        return RunSpec.load(self.run_json)
+        return self._relocated(RunSpec.load(self.run_json))
+
+    def _relocated(self, spec):
+        """A run directory moved with its checkpoints root (or clone): the source and data files it
+        recorded, gone from where they were, are read where they lie now relative to the run."""
+        recorded, here = spec.run_dir, os.path.abspath(self.path)
+        if recorded == here or not os.path.isabs(recorded):
+            return spec
+        for name in ("source_dir", "data_file", "eval_file"):
+            value = getattr(spec, name)
+            if value and os.path.isabs(value) and not os.path.exists(value):
+                moved = os.path.normpath(os.path.join(here, os.path.relpath(value, recorded)))
+                if os.path.exists(moved):
+                    setattr(spec, name, moved)
+        spec.run_dir = here
+        return spec
 
     # ---- checkpoints ------------------------------------------------------------------------
 
@@ -192,26 +210,48 @@ class RunDir:
         return recorded if isinstance(recorded, dict) else {}
 
     def record_dcp_digest(self, step: int) -> None:
-        """After the pipeline's own save of `step` (rank 0): its .metadata's sha256, kept atomically."""
+        """After the pipeline's own save of `step` (rank 0): its .metadata's keyed digest, kept atomically."""
         from pipeline.fsutil import atomic_write_text
 
         present = {str(s) for s in self.checkpoint_steps()}  # steps torchtitan purged drop out
         digests = {k: v for k, v in self._recorded_digests().items() if k in present}
-        digests[str(step)] = _sha256(self.step_dir(step) / DCP_METADATA)
+        digests[str(step)] = self._keyed_digest(step, create=True)
         atomic_write_text(self.dcp_digests, json.dumps(digests, indent=1, sort_keys=True) + "\n")
 
     def check_dcp_metadata(self, step: int) -> None:
         """DCP's .metadata is a pickle, and loading it runs whatever it holds: a resume loads a step
         only when its .metadata is the one this pipeline wrote (a file planted in a shared run
         directory, or copied from elsewhere, is refused before any rank reads it)."""
+        from pipeline.run import digest_key
+
         metadata = self.step_dir(step) / DCP_METADATA
         recorded = self._recorded_digests().get(str(step))
-        if recorded is None or recorded != _sha256(metadata):
+        if recorded is None or not digest_key.same(str(recorded), self._keyed_digest(step)):
             why = "no save of that step is recorded in" if recorded is None else "it differs from the digest recorded in"
-            raise PipelineError(f"{metadata} is not the one this pipeline saved ({why} {self.dcp_digests}); DCP's "
-                                "metadata is a pickle and is not loaded.",
+            raise PipelineError(f"{metadata} is not the one this pipeline saved ({why} {self.dcp_digests}, keyed "
+                                f"with {digest_key.key_path()}); DCP's metadata is a pickle and is not loaded.",
                                 f"start over with FRESH=1, or remove {self.step_dir(step)} to resume from an earlier "
                                 "step (a checkpoint from elsewhere is code: see docs/design.md).")
+
+    def _keyed_digest(self, step: int, create: bool = False) -> str:
+        """HMAC-SHA256 of a step's .metadata under the user's key, bound to the step (a digest recorded for
+        one step does not pass another's .metadata). Bytes only: the pickle is never loaded."""
+        import stat
+
+        from pipeline.run import digest_key
+
+        metadata = self.step_dir(step) / DCP_METADATA
+        if not stat.S_ISREG(os.stat(metadata).st_mode):  # a FIFO would hang the check
+            return ""
+        with open(metadata, "rb") as handle:
+            data = handle.read()
+        return digest_key.digest(data, f"dcp-metadata step-{step}", self.checkpoints_root, create=create)
+
+    @property
+    def checkpoints_root(self) -> Path:
+        """The root this run lies in (<root>/<model>/runs/<name>); a run directory elsewhere (a cluster's
+        --run-dir) stands for itself."""
+        return self.path.parents[2] if self.path.parent.name == "runs" and len(self.path.parents) > 2 else self.path
 
     def check_resume(self) -> None:
         """The step a resume would load (torchtitan: the last complete one) passes check_dcp_metadata."""
@@ -239,9 +279,9 @@ class RunDir:
 
     def _world_size(self) -> int | None:
         try:
-            settings = json.loads(self.run_json.read_text())["settings"]
+            settings = read_json_object(self.run_json, "none: an unreadable record is refused where it is read.")["settings"]
             return int(settings.get("nproc_per_node", 1)) * int(settings.get("nnodes", 1))
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, PipelineError):
             return None
 
     @staticmethod
@@ -284,6 +324,52 @@ class RunDir:
                                 "export the last step, or resume or rerun training so its last step is saved completely.")
         return step, path
 
+    def recorded_hf_hashes(self, step: int) -> dict[str, str]:
+        """The sha256 of each shard of step-N/hf as its rank recorded it when it saved it (.sha256.json)."""
+        from pipeline.fsutil import read_small_text
+
+        record = self.step_dir(step) / HF_WEIGHTS / HF_HASHES
+        try:
+            recorded = json.loads(read_small_text(record, fix=self._save_again(step)))
+            return {str(name): str(entry["sha256"]) for name, entry in recorded.items()}
+        except FileNotFoundError as err:
+            raise PipelineError(f"{record} does not exist: the sha256 the ranks recorded when they saved step {step} "
+                                "are gone, and nothing tells its weights from edited ones.", self._save_again(step)) from err
+        except (ValueError, TypeError, KeyError, AttributeError) as err:
+            raise PipelineError(f"{record} is not the record the ranks write (name → sha256, bytes).",
+                                self._save_again(step)) from err
+
+    def hf_hashes(self, step: int) -> dict[str, str]:
+        """step-N/hf's shards re-hashed and checked against the sha256 the ranks recorded as they saved
+        them: shard name → sha256. The record is the reference, not the files: export hard-links these
+        shards, so an export edited in place changes them too, and comparing the two would compare a
+        file with itself."""
+        import concurrent.futures
+
+        from pipeline.checkpoint import manifest
+
+        directory = self.step_dir(step) / HF_WEIGHTS
+        recorded = self.recorded_hf_hashes(step)
+        shards = sorted(p.name for p in directory.glob("*.safetensors"))
+        unrecorded, gone = sorted(set(shards) - set(recorded)), sorted(set(recorded) - set(shards))
+        if unrecorded or gone:
+            raise PipelineError(f"{directory} does not hold the shards its ranks saved: not recorded {unrecorded[:3]}, "
+                                f"missing {gone[:3]} ({HF_HASHES}).", self._save_again(step))
+        workers = max(1, min(len(shards), os.cpu_count() or 1))  # hashlib releases the GIL: shards hash in parallel
+        with concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sha256") as pool:
+            found = dict(zip(shards, pool.map(lambda name: manifest.sha256(directory / name), shards)))
+        for name in shards:
+            if found[name] != recorded[name]:
+                raise PipelineError(f"{directory / name} differs from the sha256 its rank recorded when it saved step "
+                                    f"{step} ({HF_HASHES}): the saved weights were changed after the save (an export "
+                                    "links these files: an edit of the export's shard changes them too).",
+                                    self._save_again(step))
+        return found
+
+    def _save_again(self, step: int) -> str:
+        return (f"delete {self.step_dir(step) / HF_WEIGHTS} and rerun the training command; it resumes at step {step} "
+                "and saves the model again (then export with FORCE=1).")
+
     def hf_weights_dtype(self, step: int) -> str | None:
         """The dtype of step-N's HF save (torch's name: float32, bfloat16), None without a readable one."""
         from pipeline.checkpoint import hf_dir
@@ -323,9 +409,53 @@ class RunDir:
             by_step[record["step"]] = record
         return [by_step[s] for s in sorted(by_step)]
 
+    def drop_torn_metrics_tail(self) -> str | None:
+        """A last line of metrics.jsonl cut short (what a kill mid-write leaves) removed before a resume
+        appends after it, which would weld the two into one unreadable line: returns the warning to
+        print, None when the file ends whole. A whole last object the kill left unterminated keeps its
+        line (a newline is added)."""
+        if not self.metrics.is_file():
+            return None
+        with open(self.metrics, "r+b") as handle:
+            size = handle.seek(0, os.SEEK_END)
+            start = max(0, size - TORN_LINE_SEARCH)
+            handle.seek(start)
+            tail = handle.read()
+            body = tail[:-1] if tail.endswith(b"\n") else tail
+            cut = body.rfind(b"\n")
+            if cut < 0 and start > 0:
+                return None  # a last line longer than any record the trainer writes: not a torn one
+            last = body[cut + 1:]
+            if not last.strip() or _is_json(last):
+                if not tail.endswith(b"\n"):
+                    handle.write(b"\n")
+                return None
+            handle.truncate(start + cut + 1)
+        return (f"warning: the last line of {self.metrics} was cut short ({len(last)} bytes, what a kill while it was "
+                "written leaves); dropped it, the resumed run logs that step again.")
+
+    @staticmethod
+    def metric_step(line: str) -> int | None:
+        """The step of one metrics.jsonl line, None for a torn or foreign one."""
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            return None
+        step = record.get("step") if isinstance(record, dict) else None
+        return int(step) if isinstance(step, (int, float)) and not isinstance(step, bool) else None
+
     def step1_loss(self) -> float | None:
         """The logged step-1 loss, or None when step 1 was not logged."""
         return next((float(r["loss"]) for r in self.metric_records() if r["step"] == 1), None)
+
+    def step1_token_loss(self) -> float | None:
+        """The logged step-1 cross-entropy over the label tokens of the recorded first batch, what plain transformers
+        recomputes on it (verify): `loss`, except in a DPO run, whose `loss` is the preference loss and which logs
+        that cross-entropy, over every completion token, as `completion_loss` (pipeline.titan.dpo)."""
+        record = next((r for r in self.metric_records() if r["step"] == 1), None)
+        if record is None:
+            return None
+        return float(record[DPO_TOKEN_LOSS] if DPO_TOKEN_LOSS in record else record["loss"])
 
     def first_batches(self) -> list[dict]:
         from safetensors.torch import load_file
@@ -334,20 +464,32 @@ class RunDir:
         if not files:
             raise PipelineError(f"{self.first_batch} holds no recorded batch.",
                                 "run the training stage (STEPS ≥ 1 records it) before checking the step-1 loss.")
+        for f in files:
+            regular_file(f, "train the run again (FRESH=1): its recorded batch is not a file the ranks wrote.")
         return [load_file(str(f)) for f in files]
 
 
-def _sha256(path: Path) -> str:
-    import hashlib
+DPO_TOKEN_LOSS = "completion_loss"
+TORN_LINE_SEARCH = 1 << 20  # the end of metrics.jsonl searched for its last line: a record is under 1 KiB
 
-    with open(path, "rb") as handle:
-        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+def _is_json(line: bytes) -> bool:
+    try:
+        json.loads(line)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return True
+
+
 
 
 class RunLock:
     """An exclusive flock on <run dir>/.lock for the life of a launch (or an export: it reads the
     checkpoints a live run rewrites, and two exports share one temporary sibling's target); the
-    kernel drops it when the holder dies, so a lock left by a killed process is simply taken over."""
+    kernel drops it when the holder dies, so a lock left by a killed process is simply taken over.
+    The holder deletes the file as it lets go (a finished run leaves no .lock behind); a process that
+    opened the file before that deletion and then took the flock holds a file no longer there, so
+    taking the lock counts only once the path still names the locked file."""
 
     def __init__(self, run: RunDir, activity: str = ""):
         self.path = run.lock
@@ -356,21 +498,35 @@ class RunLock:
 
     def __enter__(self) -> "RunLock":
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.handle = open(self.path, "a+")
-        try:
-            fcntl.flock(self.handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as err:
-            self.handle.seek(0)
-            holder = self.handle.read().strip() or "another process"
-            self.handle.close()
-            raise PipelineError(f"{self.path.parent} is in use by a live run ({holder}).",
-                                "wait for it to finish or stop it; two writers in one run directory corrupt "
-                                "each other.") from err
+        while True:
+            self.handle = open(self.path, "a+")
+            try:
+                fcntl.flock(self.handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError as err:
+                self.handle.seek(0)
+                holder = self.handle.read().strip() or "another process"
+                self.handle.close()
+                raise PipelineError(f"{self.path.parent} is in use by a live run ({holder}).",
+                                    "wait for it to finish or stop it; two writers in one run directory corrupt "
+                                    "each other.") from err
+            if self._names_the_held_file():
+                break
+            self.handle.close()  # its holder deleted it meanwhile: lock the file now at the path
         self.handle.seek(0)
         self.handle.truncate()
         self.handle.write(f"pid {os.getpid()} on {os.uname().nodename}{f', {self.activity}' if self.activity else ''}\n")
         self.handle.flush()
         return self
 
+    def _names_the_held_file(self) -> bool:
+        try:
+            return os.stat(self.path).st_ino == os.fstat(self.handle.fileno()).st_ino
+        except FileNotFoundError:
+            return False
+
     def __exit__(self, *exc) -> None:
+        # Only the file this lock holds: a FRESH launch moved the old run (and its .lock) aside, and
+        # the path may name the new run directory's lock, which another RunLock of the launch holds.
+        if self._names_the_held_file():
+            os.unlink(self.path)
         self.handle.close()

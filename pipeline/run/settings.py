@@ -19,19 +19,27 @@ from pipeline.flags import flag
 from pipeline.errors import PipelineError
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent.parent / "configs"
-CHOICES = {
-    "dtype": dtypes.NAMES,
-    "export_dtype": dtypes.NAMES,
-    "activation_checkpoint": ("none", "selective", "full"),
-    "compile_backend": ("inductor", "neuron", "aot_eager"),
-    "constraint_policy": ("error", "fallback"),
-    # torchtitan Qwen3's attention (pipeline/models/attention_backends.py): flex needs Inductor
-    # (CPU, CUDA); document_sdpa does not (neuron).
-    "attention_backend": ("flex", "document_sdpa"),
-    # The tokenizer the data is encoded with (pipeline/training/tokenizer.py): the source
-    # checkpoint's own, or torchtitan's test tokenizer (AWS's smoke run; configs/models.toml).
-    "tokenizer": ("model", "titan-test"),
-}
+# Fields the two torchtitan APIs name differently (pipeline.titan.api names them): the sequence length
+# (training.seq_len / training.max_context_length) and the per-rank batch (training.local_batch_size
+# sequences / training.num_tokens_per_microbatch_per_dp_rank tokens).
+TITAN_CONTEXT = "training.<context>"
+TITAN_BATCH = "training.<batch>"
+
+
+def setting(default, help: str | None = None, **facts):  # noqa: A002 - argparse's own word
+    """A TrainSettings field with what is known about it, in its metadata (read through facts()/named()):
+      choices    the values allowed;  minimum  the least value allowed (both checked by check_value, for
+                 the config files, the flags and TITAN_ARGS alike)
+      make       the Make variable that sets it; with `help` the field is also a flag of train and launch
+      titan      the torchtitan Trainer.Config field it sets: TITAN_ARGS changing it is folded into it
+      continues  True: a run continues under another value (more STEPS continue it; run.continuation)
+      condition  True: a condition of configs/models.toml's expected step-1 loss (run.expectation)
+      workload   True: what data and how much; a rehearsal takes it from cpu.toml (training.rehearsal)"""
+    if help:
+        return flag(default, help, **facts)
+    if isinstance(default, list):
+        return field(default_factory=list, metadata=facts)
+    return field(default=default, metadata=facts)
 
 
 @dataclass(frozen=True)
@@ -39,52 +47,90 @@ class TrainSettings:
     """Every training setting and its default (configs/<target>.toml and CONFIG= layer over these). A
     field with help is also a flag of `train` and `launch` (pipeline.flags), over the config files."""
 
-    nproc_per_node: int = flag(2, "ranks per node (default: the target's config)")
-    nnodes: int = 1
-    steps: int = flag(10, "training steps")
-    seq_len: int = flag(128, "sequence length")
-    local_batch_size: int = 2
+    nproc_per_node: int = setting(2, "ranks per node (default: the target's config)", make="NPROC", minimum=1)
+    nnodes: int = setting(1, minimum=1)
+    steps: int = setting(10, "training steps", make="STEPS", minimum=0, titan="training.steps", continues=True,
+                         workload=True)
+    seq_len: int = setting(128, "sequence length", make="SEQ_LEN", minimum=1, titan=TITAN_CONTEXT, condition=True,
+                           workload=True)
+    local_batch_size: int = setting(2, minimum=1, titan=TITAN_BATCH, workload=True)
     lr: float = 1e-3
     warmup_steps: int = 2
-    max_norm: float = 1.0
-    dtype: str = "float32"
-    export_dtype: str = flag("bfloat16", "dtype of the model the last step saves in HF safetensors, what export links "
-                             "(float32 for exact checks; export casts it down, never up)", choices=dtypes.NAMES)
-    seed: int = 0
-    tensor_parallel: int = 1
-    data_parallel_shard: int = -1
-    sequence_parallel: bool = False
-    activation_checkpoint: str = "none"
-    compile: bool = False
-    compile_backend: str = "inductor"
-    attention_backend: str = "flex"
-    checkpoint_interval: int = 5
-    keep_latest_k: int = 2
-    dataset: str = flag("local", "local (the model's data/train.jsonl), a .jsonl/.txt file, a torchtitan dataset (c4, "
-                        "c4_test) or a Hub dataset id org/name (default: the config's)")
+    max_norm: float = setting(1.0, titan="training.max_norm")
+    dtype: str = setting("float32", choices=dtypes.NAMES, titan="training.mixed_precision_param", condition=True)
+    export_dtype: str = setting("bfloat16", "dtype of the model the last step saves in HF safetensors, what export "
+                                "links (float32 for exact checks; export casts it down, never up)", make="DTYPE",
+                                choices=dtypes.NAMES, continues=True)
+    seed: int = setting(0, titan="debug.seed", workload=True)
+    tensor_parallel: int = setting(1, titan="parallelism.tensor_parallel_degree")
+    data_parallel_shard: int = setting(-1, titan="parallelism.data_parallel_shard_degree")
+    sequence_parallel: bool = setting(False, titan="parallelism.enable_sequence_parallel")
+    activation_checkpoint: str = setting("none", choices=("none", "selective", "full"))
+    compile: bool = setting(False, titan="compile.enable")
+    compile_backend: str = setting("inductor", choices=("inductor", "neuron", "aot_eager"), titan="compile.backend")
+    # torchtitan Qwen3's attention (pipeline/models/attention_backends.py): flex needs Inductor
+    # (CPU, CUDA); document_sdpa does not (neuron).
+    attention_backend: str = setting("flex", choices=("flex", "document_sdpa"))
+    checkpoint_interval: int = setting(5, titan="checkpoint.interval", workload=True)
+    keep_latest_k: int = setting(2, titan="checkpoint.keep_latest_k", workload=True)
+    dataset: str = setting("local", "local (the model's data/train.jsonl), a .jsonl/.txt file, a torchtitan dataset "
+                           "(c4, c4_test) or a Hub dataset id org/name (default: the config's)", make="DATASET",
+                           condition=True, workload=True)
     # Held-out eval loss every `eval_every` steps (0: off) over `eval_steps` batches of `eval_dataset`
     # ("": the dataset's own held-out split where it has one: DATASET=chat's data/chat_eval.jsonl).
     eval_every: int = 0
     eval_steps: int = 4
     eval_dataset: str = ""
-    tokenizer: str = "model"
+    # The tokenizer the data is encoded with (pipeline/titan/tokenizer.py; its files: training/titan_assets.py):
+    # the source checkpoint's own, or torchtitan's test tokenizer (AWS's smoke run; configs/models.toml).
+    tokenizer: str = setting("model", choices=("model", "titan-test"), condition=True)
     tensorboard: bool = True
     # Weights & Biases through torchtitan's WandBLogger: project `wandb_project`, run name
     # <model key>/<run name>; WANDB_MODE=offline keeps it on disk (wandb sync uploads it later).
     wandb: bool = False
     wandb_project: str = "qwen3-pipeline"
     lnc: int = 1
-    constraint_policy: str = "error"
+    constraint_policy: str = setting("error", choices=("error", "fallback"))
     nki_overrides: list = field(default_factory=list)
     # LoRA (native, nki: pipeline.models.lora): rank 0 trains every weight; > 0 trains adapters of
     # that rank on `lora_targets` (default: attention and MLP projections), scaled alpha / rank.
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_targets: list = field(default_factory=list)
+    # DPO (preference data: records with "chosen" and "rejected"; pipeline.titan.dpo): β, the strength of the
+    # pull towards the reference, and the loss (TRL's DPOConfig.beta, loss_type and their defaults).
+    dpo_beta: float = 0.1
+    # DPO's loss on preference data (pipeline.titan.dpo.LOSS_TYPES; TRL's DPOConfig.loss_type of the same names).
+    dpo_loss: str = setting("sigmoid", choices=("sigmoid", "ipo", "hinge"))
 
     @property
     def world_size(self) -> int:
         return self.nproc_per_node * self.nnodes
+
+
+_FIELDS = {f.name: f for f in fields(TrainSettings)}
+
+
+def facts(name: str) -> dict:
+    """What is known about the setting `name` (its field's metadata, see setting())."""
+    return dict(_FIELDS[name].metadata)
+
+
+def named(fact: str) -> tuple[str, ...]:
+    """The settings that have `fact` (set and true), in field order."""
+    return tuple(f.name for f in fields(TrainSettings) if f.metadata.get(fact))
+
+
+def check_value(name: str, value, where: str) -> None:
+    """The one check of a setting's value against its field's choices and minimum, wherever it comes from."""
+    known = _FIELDS[name].metadata
+    if "choices" in known and value not in known["choices"]:
+        raise PipelineError(f"{where}: {name} = {value!r} is not allowed; allowed: {', '.join(known['choices'])}.",
+                            f"set {name} to one of them.")
+    if "minimum" in known and value < known["minimum"]:
+        said = "is negative" if known["minimum"] == 0 else f"must be at least {known['minimum']}"
+        spelled = f"{known['make']}={value}" if "make" in known else f"{where}: {name} = {value!r}"
+        raise PipelineError(f"{spelled} {said}.", f"give {known.get('make', name)} ≥ {known['minimum']}.")
 
 
 _TYPES = {"int": int, "float": (int, float), "bool": bool, "str": str, "list": list}
@@ -98,9 +144,7 @@ def _check_type(name: str, value, where: str):
     if not isinstance(value, expected):
         raise PipelineError(f"{where}: {name} = {value!r} is a {type(value).__name__}, expected {kind}.",
                             f"write {name} as a TOML {kind}.")
-    if name in CHOICES and value not in CHOICES[name]:
-        raise PipelineError(f"{where}: {name} = {value!r} is not allowed; allowed: {', '.join(CHOICES[name])}.",
-                            f"set {name} to one of them.")
+    check_value(name, value, where)
     return float(value) if kind == "float" else value
 
 
@@ -159,17 +203,17 @@ def load(target: str, path: str, paths: Iterable[str], user_config: Path | None 
 
 
 def list_targets() -> list[str]:
-    return sorted(p.stem for p in CONFIG_DIR.glob("*.toml") if p.stem != "models")
+    """The targets with a settings file: configs/<target>.toml (configs/ holds other records too)."""
+    from pipeline.run.targets import TARGETS
+
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.toml") if p.stem in TARGETS)
 
 
 def with_flags(settings: TrainSettings, **flags) -> TrainSettings:
     """Command-line values (STEPS=…, SEQ_LEN=…) over the config files; None means not given."""
     given = {k: v for k, v in flags.items() if v is not None}
     for key, value in given.items():
-        if key == "steps" and value < 0:
-            raise PipelineError(f"STEPS={value} is negative.", "give STEPS ≥ 0.")
-        if key in ("seq_len", "local_batch_size", "nproc_per_node", "nnodes") and value < 1:
-            raise PipelineError(f"{key.upper()}={value} must be at least 1.", f"give {key.upper()} ≥ 1.")
+        check_value(key, value, "the command line")
     return replace(settings, **given)
 
 

@@ -64,4 +64,13 @@ class RunSpec:
 
     @classmethod
     def load(cls, path: str | Path) -> "RunSpec":
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """run.json, refused in one line when it is not a regular file, torn or not a run's record."""
+        from pipeline.errors import PipelineError
+        from pipeline.fsutil import read_json_object
+
+        fix = "start the run again with FRESH=1 (its files are not a run this pipeline can read), or give another RUN_NAME."
+        data = read_json_object(Path(path), fix)
+        try:
+            return cls.from_dict(data)
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise PipelineError(f"{path} is not a run's record ({type(err).__name__}: {err}).", fix) from err

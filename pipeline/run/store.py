@@ -10,16 +10,18 @@ tools; embedded and local sources are written to `source/`.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline import envvars
 from pipeline.errors import PipelineError
-from pipeline.fsutil import atomic_write_text
+from pipeline.fsutil import atomic_write_text, read_json_object, read_small_text
 from pipeline.run.rundir import RunDir
 from pipeline.run.settings import CONFIG_DIR
 
@@ -27,23 +29,68 @@ REPO = Path(__file__).resolve().parent.parent.parent
 EMBEDDED_NAMES = ("tiny", "tiny-moe")
 SOURCE_RECORD = "source.json"
 HUB_CONFIGS = CONFIG_DIR / "hub_configs"  # real (and trn2-shaped) config.json files, for dry runs
-# Written into every checkpoints root the pipeline writes to: `make clean` / `distclean` delete only
-# under a directory that carries it (the Makefile's ROOT_MARKER names the same file).
+# Written into a checkpoints root the pipeline made (new, or empty when it first wrote there), with the
+# model keys it made in it, one a line: `make clean` / `distclean` act only in a root carrying it (a
+# regular file, not a link) and delete only those keys' files (the Makefile's ROOT_MARKER names the same file).
 ROOT_MARKER = ".pipeline-checkpoints"
+MARKER_HEADER = ("# A checkpoints root of the pipeline: `make clean` / `make distclean` act only in a directory carrying\n"
+                 "# this file, and delete only the model folders listed below (the ones the pipeline made here).\n")
+KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 
 
 def checkpoints_root() -> Path:
     return Path(os.environ.get(envvars.CHECKPOINTS, REPO / "checkpoints"))
 
 
-def mark_root(root: Path | None = None) -> None:
-    """Create the checkpoints root if needed and mark it as the pipeline's (what clean checks)."""
+def is_marked(root: Path) -> bool:
+    """The root carries the marker as a regular file of its own (a link to one is no marker)."""
+    try:
+        return stat.S_ISREG(os.lstat(Path(root) / ROOT_MARKER).st_mode)
+    except OSError:
+        return False
+
+
+def mark_root(root: Path | None = None, key: str | None = None) -> None:
+    """Create the checkpoints root if needed; mark it as the pipeline's only when the pipeline made it
+    (new, empty, or the repository's own checkpoints/): a folder of yours holding other projects is
+    written to, never armed for clean. In a marked root, record `key` as a model folder the pipeline made."""
     root = Path(root) if root else checkpoints_root()
+    made_here = not root.exists() or root.resolve() == (REPO / "checkpoints").resolve()
     root.mkdir(parents=True, exist_ok=True)
-    marker = root / ROOT_MARKER
-    if not marker.exists():
-        atomic_write_text(marker, "A checkpoints root of the pipeline: `make clean` / `make distclean` delete only "
-                                  "under a directory carrying this file.\n")
+    if not is_marked(root):
+        if not made_here and any(root.iterdir()):
+            return
+        atomic_write_text(root / ROOT_MARKER, MARKER_HEADER)
+    if key and KEY.fullmatch(key) and key not in marked_keys(root):
+        # one short O_APPEND write: two stages recording keys at once both keep theirs; O_NOFOLLOW: never a link
+        fd = os.open(root / ROOT_MARKER, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW)
+        try:
+            os.write(fd, f"{key}\n".encode())
+        finally:
+            os.close(fd)
+
+
+def marked_keys(root: Path) -> list[str]:
+    """The model keys the marker lists (an older marker lists none)."""
+    if not is_marked(root):
+        return []
+    lines = read_small_text(Path(root) / ROOT_MARKER, fix="delete it and run a stage again.").splitlines()
+    return list(dict.fromkeys(line.strip() for line in lines if KEY.fullmatch(line.strip())))
+
+
+def pipeline_keys(root: Path) -> list[str]:
+    """The model folders of `root` the pipeline made: listed in the marker, or (a root marked before keys
+    were listed) holding a source.json that records the model this key is."""
+    root = Path(root)
+    keys = [k for k in marked_keys(root) if (root / k).is_dir() and not (root / k).is_symlink()]
+    for entry in sorted(root.iterdir()) if root.is_dir() else []:
+        if entry.name in keys or entry.is_symlink() or not entry.is_dir():
+            continue
+        with contextlib.suppress(OSError, ValueError, PipelineError, AttributeError, TypeError):
+            record = read_json_object(entry / SOURCE_RECORD, "none: not the pipeline's folder.")
+            if record.get("kind") in ("embedded", "hub") and parse_model(record["model"]).key == entry.name:
+                keys.append(entry.name)
+    return keys
 
 
 @dataclass(frozen=True)
@@ -127,10 +174,10 @@ class ModelHome:
     def record(self) -> dict | None:
         if not self.source_record.exists():
             return None
-        return json.loads(self.source_record.read_text())
+        return read_json_object(self.source_record, f"run `make download MODEL={self.source.model} FORCE=1`.")
 
     def write_record(self, **fields) -> None:
-        mark_root(self.root)
+        mark_root(self.root, self.source.key)
         atomic_write_text(self.source_record, json.dumps({"kind": self.source.kind, "model": self.source.model,
                                                           **fields}, indent=2) + "\n")
 

@@ -12,9 +12,11 @@ from pipeline.errors import PipelineError
 
 @dataclass(frozen=True)
 class Trn2Node:
-    """trn2.48xlarge, the node the trn2 target means; every trn2 hardware fact lives here. Sources:
-    shared/notes/neuron.md lines 12-13 (64 logical cores, ~24 GiB HBM each at LNC=2; 667 dense bf16
-    TFLOP/s per chip), 77 (LNC=2 is the runtime default when NEURON_LOGICAL_NC_CONFIG is unset), 89.
+    """trn2.48xlarge, the node the trn2 target means; every trn2 hardware fact lives here. Sources
+    (docs/sources.md): neuron:about-neuron/arch/neuron-hardware/trainium2.html (8 physical cores, 96 GiB
+    HBM and 667 dense bf16 TFLOP/s per chip), neuron:general/arch/neuron-features/logical-neuroncore-config.html
+    (LNC=2 is the runtime default when NEURON_LOGICAL_NC_CONFIG is unset), neuron:training/best-practices.html
+    (16 chips; 64 ranks of ~24 GiB HBM at LNC=2).
     On CPU, tests/training/test_training_memory.py runs hbm_per_rank (24 GiB at LNC=2) and the trn2 dry
     runs peak_flops_per_rank."""
 
@@ -26,8 +28,16 @@ class Trn2Node:
     peak_bf16_per_chip: float = 667e12  # dense bf16 FLOP/s
     device_glob: str = "neuron[0-9]*"  # the devices under /dev
 
+    # The Neuron runtime's own HBM: "a micro-code overhead of 96MB per physical Neuron Core" (Neuron 2.33 docs,
+    # neuron-runtime/explore/device-memory): 192 MB for a rank at LNC=2. Its scratchpad, DMA rings and collective
+    # buffers depend on the compiled graphs, and no public source gives a size for them: they stay in HEADROOM.
+    microcode_per_physical_core: int = 96 * 2**20
+
     def hbm_per_rank(self, lnc: int) -> int:
         return self.hbm_per_chip * lnc // self.physical_cores_per_chip
+
+    def runtime_reserve_per_rank(self, lnc: int) -> int:
+        return self.microcode_per_physical_core * lnc
 
     def peak_flops_per_rank(self, lnc: int) -> float:
         return self.peak_bf16_per_chip * lnc / self.physical_cores_per_chip
@@ -37,7 +47,7 @@ TRN2 = Trn2Node()
 LNC_ENV = "NEURON_LOGICAL_NC_CONFIG"  # logical NeuronCore config: 1 or 2 physical cores per rank
 # Dense bf16 peaks (no sparsity) of the GPUs this pipeline is checked on.
 CUDA_PEAKS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
-# TorchNeuron's compiled-graph (NEFF) cache (torch/reference/env-vars; shared/notes/neuron.md).
+# TorchNeuron's compiled-graph (NEFF) cache (neuron:torch/reference/env-vars.html; docs/sources.md).
 # NEURON_COMPILE_CACHE_URL is the torch-xla-era variable: TorchNeuron does not read it, so a cache
 # set through it is never reused and every run recompiles. One fixed directory on the host (and
 # the same path, bind-mounted, in the image) is what makes a second run with the same shapes skip

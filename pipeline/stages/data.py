@@ -10,6 +10,9 @@ copied once: `datasets.load_dataset(id, split=…)`, columns renamed to the pipe
 prompt/completion or text; e.g. messages=conversations), every record checked, written to
 data/hub/<org>--<name>.jsonl with a record of where it came from. Training with DATASET=org/name
 then reads that copy, chat or text as its keys say (pipeline.training.dataset).
+
+DATASET=c4 stages a number of its shards once into the checkpoints root at a pinned revision
+(pipeline.training.staged), which every rank then reads instead of streaming from the Hub.
 """
 
 from __future__ import annotations
@@ -18,56 +21,129 @@ import argparse
 import json
 from pathlib import Path
 
+from pipeline import flags
 from pipeline.checkpoint import corpus
 from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_write_text
 from pipeline.run import store
-from pipeline.training.data_files import copy_hub_dataset, parse_columns, write_embedded_data
-from pipeline.training.dataset import HUB_ID, hub_copy
+from pipeline.run.ref import RunRef
+from pipeline.training.data_files import copy_split, write_embedded_data
+from pipeline.training import staged, user_data
+from pipeline.training.dataset import FILE_FORMATS, HUB_ID, PREFERENCE_FILE, _copied_from, check_file, hub_copy, read_rows
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True)
+    flags.add_flags(parser, RunRef, only=("model",))
     parser.add_argument("--dataset", help="a Hub dataset id (or a local dataset directory) to copy for fine-tuning")
     parser.add_argument("--split", help="its split to copy (default: train)")
     parser.add_argument("--eval-split", help="a held-out split copied beside it for eval loss (e.g. test)")
+    parser.add_argument("--shards", type=int, help="DATASET=c4: how many train shards to stage (default: "
+                                                       "what is staged, else 8)")
+    parser.add_argument("--dataset-revision", help="DATASET=c4: the Hub revision (a commit) to stage from")
+    parser.add_argument("--mirror", type=Path, help="DATASET=c4: a local directory laid out like the Hub "
+                                                    "repository, read instead of the Hub")
+    parser.add_argument("--subset", help="a Hub dataset's subset (config name), e.g. en")
+    parser.add_argument("--hold-out", type=float, help="EVAL_SPLIT: the fraction held out for eval loss when the data "
+                                                       f"has no held-out split (default {user_data.DEFAULT_CHAT_SPLIT} "
+                                                       "of chat data, 0 of text)")
+    parser.add_argument("--seq-len", type=int, help="SEQ_LEN the report counts against (default: the config's)")
+    parser.add_argument("--config", type=Path, help="your config file (its seq_len)")
+    parser.add_argument("--target", help="cpu, cuda or trn2 (its config's seq_len; detected when unset)")
     parser.add_argument("--columns", default="", help="our name=their column, comma-separated, e.g. "
                                                       "messages=conversations or prompt=question,completion=answer")
 
 
 def run(args: argparse.Namespace) -> Path | None:
     home = store.home(args.model)
-    store.mark_root(home.root)
-    if args.split or args.columns or args.eval_split:
-        if not args.dataset or not HUB_ID.fullmatch(args.dataset) and not Path(args.dataset).is_dir():
-            raise PipelineError("DATASET_SPLIT and DATASET_COLUMNS choose what to copy of a Hub dataset; "
+    store.mark_root(home.root, home.source.key)
+    if args.dataset in staged.SHARDED:
+        given = [n for n, v in (("DATASET_SPLIT", args.split), ("DATASET_EVAL_SPLIT", args.eval_split), ("DATASET_COLUMNS",
+                 args.columns), ("DATASET_SUBSET", args.subset), ("EVAL_SPLIT", args.hold_out)) if v not in (None, "")]
+        if given:
+            raise PipelineError(f"{', '.join(given)} do not apply to DATASET={args.dataset} (staged shards).", "drop them.")
+        return stage_sharded(home.root, args)
+    if args.shards is not None or args.mirror:
+        raise PipelineError(f"DATA_SHARDS and DATASET_MIRROR choose what to stage of "
+                            f"{', '.join(staged.SHARDED)}; DATASET={args.dataset or '(unset)'} is not one.",
+                            "give DATASET=c4, or drop them.")
+    local = Path(args.dataset).expanduser() if args.dataset else None
+    copy_asked = args.split or args.columns or args.eval_split or args.subset or args.dataset_revision
+    if local is not None and local.is_dir() and not copy_asked and \
+            _copied_from(copy := hub_copy(home.data_file.parent, args.dataset)) == str(local.resolve()):
+        # every stage runs `data` first: a plain one never re-copies (with other settings) what `make data` copied
+        print(f"DATASET={args.dataset}: already copied → {copy} (DATASET_COLUMNS=… and the other copy settings copy it again)")
+        return copy
+    if copy_asked or (local is not None and local.is_dir()):
+        if not args.dataset or not HUB_ID.fullmatch(args.dataset) and not local.is_dir():
+            raise PipelineError("DATASET_SPLIT, DATASET_SUBSET, DATASET_REVISION and DATASET_COLUMNS choose what to copy "
+                                "of a Hub dataset; "
                                 f"DATASET={args.dataset or '(unset)'} is not one.",
                                 "give DATASET=<org/name> (or a local dataset directory), or drop them.")
-        out = hub_copy(home.data_file.parent, args.dataset)
-        split = args.split or "train"
-        count, form = copy_hub_dataset(args.dataset, split, parse_columns(args.columns), out)
-        atomic_write_text(out.with_suffix(".json"), json.dumps({"dataset": args.dataset, "split": split,
-                                                                "columns": parse_columns(args.columns),
-                                                                "records": count, "format": form}, indent=2) + "\n")
-        print(f"DATASET={args.dataset} split {split!r}: {count} {form} records → {out}; runs with "
-              f"DATASET={args.dataset} read it")
-        if not args.eval_split:
-            out.with_suffix(".eval.jsonl").unlink(missing_ok=True)  # an earlier copy's eval split is not this one's
-        else:
-            if args.eval_split == split:
-                raise PipelineError(f"DATASET_EVAL_SPLIT={split} is the training split: its loss says nothing "
-                                    "about held-out data.", "give the dataset's held-out split (e.g. test).")
-            held = out.with_suffix(".eval.jsonl")
-            count, held_form = copy_hub_dataset(args.dataset, args.eval_split, parse_columns(args.columns), held)
-            if held_form != form:
-                held.unlink()
-                raise PipelineError(f"split {args.eval_split!r} is {held_form} data and {split!r} is {form}.",
-                                    "give a held-out split of the same kind.")
-            print(f"held out for eval: split {args.eval_split!r}, {count} records → {held}")
+        out = copy_split(home, args)
+        report(home, args, out, held_out=None if args.eval_split else out.with_suffix(".eval.jsonl"))
+        return out
+    if local is not None and (local.suffix in FILE_FORMATS or local.is_file()):
+        return report(home, args, local, held_out=None)
+    if args.hold_out is not None:
+        raise PipelineError(f"EVAL_SPLIT splits a file or a copied Hub dataset; DATASET={args.dataset or '(unset)'} "
+                            "is neither.", "give DATASET=<file.jsonl>, or drop EVAL_SPLIT.")
     made = write_embedded_data(home.data_file)
     state = " (up to date)" if made.reused else ""
     print(f"training data{state}: {made.train} ({made.counts['documents']} held-out documents, "
           f"corpus sha256 {corpus.SHA256[:12]})")
     print(f"chat data (DATASET=chat){state}: {made.chat} ({made.counts['conversations']} conversations), "
           f"held out for eval: {made.chat_eval} ({made.counts['held_out']})")
+    print(f"preference pairs (DATASET=preference, DPO){state}: {made.chat.with_name(PREFERENCE_FILE)} "
+          f"({made.counts.get('pairs')} pairs), held out for eval: {made.counts.get('held_out_pairs')}")
     return made.train
+
+
+def stage_sharded(root: Path, args: argparse.Namespace) -> Path:
+    made = staged.stage(root, args.dataset, args.shards, args.dataset_revision, args.mirror)
+    record = made.record
+    size = sum(s["bytes"] for s in record["shards"]) / 2**20
+    state = "up to date" if made.reused else "staged"
+    print(f"DATASET={args.dataset} {state}: {len(record['shards'])} shard(s) of {record['repo_id']} at "
+          f"{record['commit']} ({size:.1f} MiB, sha256 in {made.directory / staged.RECORD}) → {made.directory}; "
+          "the ranks read these files")
+    return made.directory
+
+
+def report(home: store.ModelHome, args: argparse.Namespace, path: Path, held_out: Path | None) -> Path:
+    """The whole file read with the ranks' reader and counted against SEQ_LEN; when it has no held-out
+    split (held_out: where a copy's goes; None for a user's file), one is written (EVAL_SPLIT)."""
+    from pipeline.models import registry
+    from pipeline.run import settings as settings_mod, targets
+
+    form = check_file(path)
+    settings = settings_mod.load(targets.resolve(args.target).name, "native", registry.names(), args.config)
+    seq_len = args.seq_len or settings.seq_len
+    tokenizer = home.source_dir() if home.is_downloaded() else None
+    if tokenizer is None and home.source.kind == "embedded":
+        from pipeline.checkpoint.embedded import tokenizer_dir
+
+        tokenizer = tokenizer_dir()
+    counts = user_data.count(read_rows(path), path.name, form, tokenizer, seq_len)
+    print(f"DATASET={args.dataset}: {counts.summary()}")
+    if counts.fit == 0 and form != "text":
+        print(f"warning: no record of DATASET={args.dataset} fits SEQ_LEN {seq_len}: a run on it would fail.")
+    # Chat and preference data get a held-out split unless the config names its own (eval_dataset).
+    default = 0.0 if form == "text" or settings.eval_dataset else user_data.DEFAULT_CHAT_SPLIT
+    fraction = user_data.check_fraction(args.hold_out if args.hold_out is not None else default)
+    if args.eval_split or not fraction:  # the dataset's own held-out split, or none asked
+        return path
+    if held_out is not None:  # a copy: its held-out records move beside it
+        train, held = user_data.hold_out(user_data.json_lines(path), fraction)
+        # the training copy first: cut short in between, the held-out records are missing, never also trained on
+        atomic_write_text(path, "".join(line + "\n" for line in train))
+        atomic_write_text(held_out, "".join(line + "\n" for line in held))
+        record = path.with_suffix(".json")
+        atomic_write_text(record, json.dumps({**json.loads(record.read_text()), "records": len(train),
+                                              "eval_records": len(held), "eval_split_fraction": fraction},
+                                             indent=2) + "\n")
+        print(f"held out for eval (EVAL_SPLIT={fraction}): {len(held)} of {len(train) + len(held)} records → {held_out}")
+        return path
+    target, n_train, n_held = user_data.write_split(home.root, path, fraction)
+    print(f"held out for eval (EVAL_SPLIT={fraction}): {n_held} of {n_train + n_held} records → {target / user_data.HELD_OUT}; "
+          f"runs with DATASET={args.dataset} train on {target / user_data.TRAIN}")
+    return target

@@ -13,12 +13,14 @@ import argparse
 import contextlib
 from pathlib import Path
 
+from pipeline import flags
 from pipeline.checkpoint import hf_dir
 from pipeline.run import sources, store
+from pipeline.run.ref import RunRef
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="Hub id, local HF directory, or tiny / tiny-moe")
+    flags.add_flags(parser, RunRef, only=("model",))
     parser.add_argument("--revision", help="Hub revision (default: the pin in configs/models.toml)")
     parser.add_argument("--force", action="store_true", help="replace an existing download")
 
@@ -41,7 +43,7 @@ def run(args: argparse.Namespace) -> Path:
     if kind == "local":
         hf_dir.validate(Path(home.source.path))  # a broken source leaves nothing behind
     # Fail on an unwritable checkpoints root now, not after minutes of work.
-    store.mark_root(home.root)
+    store.mark_root(home.root)  # its key is recorded with source.json
     created = not home.dir.exists()
     home.dir.mkdir(parents=True, exist_ok=True)
     try:

@@ -6,17 +6,16 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from pipeline import flags
+from pipeline.dtypes import NAMES as DTYPES
 from pipeline.models import registry
 from pipeline.outputs.export import ExportConfig, export, export_adapter
-from pipeline.run import store
+from pipeline.run.ref import RunRef
 from pipeline.run.rundir import RunLock
-from pipeline.dtypes import NAMES as DTYPES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--path", required=True, choices=registry.names(), help="training path of the run")
-    parser.add_argument("--name", help="the run's name (RUN_NAME; default: the path's name)")
+    flags.add_flags(parser, RunRef, choices={"path": registry.names()})
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16",
                         help="export dtype: the run's export_dtype (linked) or narrower (cast)")
     parser.add_argument("--step", type=int, help="checkpoint step to export (default: the last)")
@@ -26,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> Path:
-    config = ExportConfig(run=store.home(args.model).run(args.name or args.path), dtype=args.dtype,
+    config = ExportConfig(run=RunRef(**flags.values(RunRef, args)).run_dir(), dtype=args.dtype,
                           step=args.step, force=args.force)
     config.run.spec()  # no run there: say so before a lock file is made
     with RunLock(config.run, activity="exporting"):  # no training or second export writes there meanwhile

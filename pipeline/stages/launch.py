@@ -9,16 +9,18 @@ from pathlib import Path
 from pipeline import flags
 from pipeline.models import registry
 from pipeline.run.settings import TrainSettings
-from pipeline.training.cluster import LaunchRequest, plan, render, write
+from pipeline.training.cluster import RUN_FLAGS, LaunchRequest, plan, render, write
+from pipeline.training.resolve import RunRequest
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    flags.add_flags(parser, LaunchRequest, choices={"path": registry.names()})
+    flags.add_flags(parser, RunRequest, choices={"path": registry.names()}, overrides=RUN_FLAGS)  # as train's
+    flags.add_flags(parser, LaunchRequest)
     flags.add_flags(parser, TrainSettings, unset_default=True)  # as train's: over the config files when given
 
 
 def request(args: argparse.Namespace) -> LaunchRequest:
-    return LaunchRequest(**flags.values(LaunchRequest, args), flags=flags.values(TrainSettings, args, given_only=True))
+    return LaunchRequest(run=RunRequest.from_args(args), **flags.values(LaunchRequest, args))
 
 
 def run(args: argparse.Namespace) -> dict[str, Path]:

@@ -20,10 +20,12 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from pipeline import flags
 from pipeline.errors import Check, PipelineError
 from pipeline.models import registry
 from pipeline.outputs import export, verify
 from pipeline.run import store
+from pipeline.run.ref import RunRef
 from pipeline.run.rundir import RunDir
 from pipeline.training import launcher, rehearsal, rehearsal_runs
 from pipeline.training.resolve import RunRequest, resolve
@@ -32,7 +34,8 @@ SCHEDULERS = ("slurm", "eks")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="tiny or tiny-moe (any downloaded model whose heads split over 2)")
+    flags.add_flags(parser, RunRef, only=("model",),
+                    overrides={"model": {"help": "tiny or tiny-moe (any downloaded model whose heads split over 2)"}})
     parser.add_argument("--paths", default=",".join(registry.names()), help="comma-separated training paths")
     parser.add_argument("--steps", type=int, default=rehearsal.STEPS)
     parser.add_argument("--nodes", type=int, default=2, help="two-node rehearsal of the launch files (0: skip)")
@@ -51,7 +54,7 @@ def run(args: argparse.Namespace) -> dict:
     started = time.perf_counter()
 
     print(f"rehearse {args.model}: plain CPU run (configs/{rehearsal.HOST_TARGET}.toml) …", flush=True)
-    plain_spec = resolve(RunRequest(model=args.model, path="native", target=rehearsal.HOST_TARGET, run_dir=out / "plain",
+    plain_spec = resolve(RunRequest(model=args.model, path="native", target=rehearsal.HOST_TARGET, directory=out / "plain",
                                     flags={"steps": args.steps}))
     plain = _timed(summary, "plain", lambda: launcher.launch(plain_spec, fresh=True))
     plain_run = RunDir(Path(plain.run_dir))
@@ -101,7 +104,7 @@ def _rehearse_path(args, path: str, source: Path, out: Path, plain_run: RunDir, 
     arch = plain_run.spec().arch
     planned = rehearsal.plan(path, arch, steps=args.steps)
     spec = resolve(RunRequest(model=args.model, path=path, target=rehearsal.HOST_TARGET, settings=planned.settings,
-                              run_dir=out / path))
+                              directory=out / path))
     spec.record_plan = True
     print(f"  differences from configs/{rehearsal.PLAN_TARGET}.toml [train]/[paths.{path}]:", flush=True)
     for d in planned.differences:

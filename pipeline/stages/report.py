@@ -3,23 +3,26 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
+from pipeline import console, flags
 from pipeline.outputs.report import collect, write_report
 from pipeline.run import store
+from pipeline.run.ref import RunRef
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="MODEL as given to download")
+    flags.add_flags(parser, RunRef, only=("model",))
 
 
 def run(args: argparse.Namespace) -> Path:
     home = store.home(args.model)
     collection = collect(home)
-    for warning in collection.warnings:
-        print(f"warning: {warning}", file=sys.stderr)
     report = write_report(collection, home.report)
-    print((report / "summary.md").read_text(), end="")
+    if console.brief():  # make pipeline's end table has the numbers
+        for warning in collection.warnings:
+            print(f"warning: {warning}")
+    else:
+        print((report / "summary.md").read_text(), end="")  # its notes name each warning (once)
     print(f"report: {report}")
     return report

@@ -11,9 +11,11 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import sys
 from pathlib import Path
 
 from pipeline import flags
+from pipeline.errors import PipelineError
 from pipeline.models import registry
 from pipeline.run import continuation, targets
 from pipeline.run.rundir import RunDir
@@ -29,26 +31,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flags.add_flags(parser, TrainSettings, unset_default=True)  # over the config files when given
 
 
-def request(args: argparse.Namespace) -> RunRequest:
-    return RunRequest(**flags.values(RunRequest, args), flags=flags.values(TrainSettings, args, given_only=True))
-
-
 def run(args: argparse.Namespace):
     target = targets.resolve(args.target)
     if not args.dry_run:
         targets.check_launchable(target)
     # The ranks build torchtitan's internals: a torchtitan without them is refused here, in one line.
     internals.check_torchtitan(target.name)
-    spec = resolve(request(args))
+    spec = resolve(RunRequest.from_args(args))
     target = targets.TARGETS[spec.target]
     command = torchrun.command(spec)
     env_prefix = " ".join(f"{k}={v}" for k, v in target.launch_vars(dict(os.environ), memory.host_need(spec)).items())
     if not args.fresh:  # the launch checks again under the run's lock
         continuation.check_continues(RunDir(Path(spec.run_dir)), spec)
     if args.dry_run:
+        try:
+            refused = memory.check_host(spec, args.force)
+        except PipelineError as err:  # the dry run shows the run and says what its launch would do
+            refused = f"warning: a launch would be refused: {err}"
+        if refused:
+            print(refused, file=sys.stderr, flush=True)
         print(memory_line(spec))
         print(spec.to_json(), end="")
         print("launch command:")
         print(" ".join(part for part in (env_prefix, shlex.join(command)) if part))
         return spec
-    return launch(spec, fresh=args.fresh)
+    return launch(spec, fresh=args.fresh, force=args.force)

@@ -6,26 +6,28 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from pipeline import flags
 from pipeline.checkpoint import manifest
 from pipeline.errors import PipelineError
 from pipeline.models import registry
 from pipeline.outputs.verify import Verification, verify
-from pipeline.run import model_card, rundir, store
+from pipeline.run import model_card, rundir
+from pipeline.run.ref import RunRef
 from pipeline.run.rundir import RunDir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="MODEL (with --path): verify that run's export")
-    parser.add_argument("--path", choices=registry.names(), help="training path of the run")
-    parser.add_argument("--name", help="the run's name (RUN_NAME; default: the path's name)")
+    # MODEL with TRAIN_PATH (or RUN_NAME): that run's export; or CHECKPOINT with REFERENCE.
+    flags.add_flags(parser, RunRef, choices={"path": registry.names()},
+                    overrides={"model": {"required": False}, "path": {"required": False}})
     parser.add_argument("--checkpoint", type=Path, help="an HF checkpoint directory to verify (with --reference)")
     parser.add_argument("--reference", type=Path, help="the checkpoint it must match (the downloaded source)")
     parser.add_argument("--output", type=Path, help="where verify.json goes (default: the run dir / beside the checkpoint)")
 
 
 def run(args: argparse.Namespace) -> Verification:
-    if args.model and (args.path or args.name):
-        run_dir = store.home(args.model).run(args.name or args.path)
+    if args.model and (args.path or args.name is not None):
+        run_dir = RunRef(**flags.values(RunRef, args)).run_dir()
         reference = Path(run_dir.spec().source_dir)
         checkpoint = run_dir.export
         if not checkpoint.is_dir():

@@ -1,6 +1,7 @@
 """torchtitan glue, one concern per module, among them: `patches` (the CPU and trn2 runtime patches
-applied in each rank before torchtitan is imported, one comment each), `internals` (the private
-torchtitan names the pipeline uses, checked before launch) and `accessors` (the only way the
+applied in each rank before torchtitan is imported, one comment each), `internals` (every
+torchtitan name, field and keyword the pipeline uses, checked before launch and by `doctor --titan`) and `accessors` (the only way the
 pipeline reaches them), `args` (TITAN_ARGS through torchtitan's own parser), `api` (the two
-torchtitan APIs told apart), and `trainer` (what the pipeline adds to torchtitan's Trainer:
+torchtitan APIs told apart), `model_spec` (the one place a model is described to torchtitan: ModelSpec,
+Trainer.Config's model field, context length), and `trainer` (what the pipeline adds to torchtitan's Trainer:
 metrics.jsonl, first batch, the last step's HF save)."""

@@ -54,6 +54,11 @@ def traverse(config, config_cls: type, prefix: str, recurse: bool = False):
     return config.traverse(config_cls, recurse=recurse, _prefix=prefix)
 
 
+def config_owner(config):
+    """The class a Configurable.Config builds (torchtitan wires it when the class declares its nested Config)."""
+    return type(config)._owner
+
+
 def router_forces_load_balance(router_config) -> bool:
     return bool(router_config._debug_force_load_balance)
 
@@ -110,6 +115,14 @@ def _make_hooked_checkpoint_manager():
                 self.dcp_save(state, checkpoint_id=checkpoint_id, async_mode=AsyncMode.DISABLED, to_hf=True)
             finally:
                 self.sd_adapter = adapter
+
+        def load_starting_weights(self) -> None:
+            """The model's weights from initial_load_path as a fresh start loads them (the run's source, HF
+            safetensors, model only), through the public dcp_load; a resumed DPO run's reference is these."""
+            from torchtitan.components.checkpointer import MODEL
+
+            self.dcp_load(self.states[MODEL].state_dict(), checkpoint_id=self.initial_load_path,
+                          from_hf=self.initial_load_in_hf, from_quantized=False)
 
         def before_save(self, step: int, last_step: bool) -> None:
             pass

@@ -78,12 +78,6 @@ def seq_len_of(training) -> int:
     return getattr(training, context_field())
 
 
-def rope_config(rope_cls, *, dim: int, max_len: int, theta: float, **extra):
-    """A RoPE config whose cache covers `max_len` positions (`max_seq_len` → `max_context_length`)."""
-    key = "max_context_length" if folded_batch() else "max_seq_len"
-    return rope_cls.Config(dim=dim, theta=theta, **{key: max_len}, **extra)
-
-
 def with_batch_dim(batched_ndim: int, *tensors):
     """(tensors with a leading batch dim, whether one was added). main's attention and RoPE see
     [T, …] packed tokens (#4121); the pipeline's overrides are written for [B, T, …] (`batched_ndim`
@@ -127,7 +121,7 @@ def chat_dataloader(data_file: str, processor):
         source=source, processor=processor, post_filters=(_is_sample,))), shuffle=False, repeat=True)
 
 
-def register_text_dataset(name: str, kind: str, location: str, file_format: str | None,
+def register_text_dataset(name: str, kind: str, location: str | list[str], file_format: str | None,
                           wrap_loader=lambda loader: loader) -> None:
     """Add a file (`json`/`text`) or a Hub dataset (`kind == "hub"`) to torchtitan's DATASETS under
     `name`, each row's "text" being one document. 0.3.0 loads through a function of ours, which
@@ -194,6 +188,27 @@ TITAN_DATASETS = {
 
 def titan_datasets() -> dict[str, str]:
     return TITAN_DATASETS[variant()]
+
+
+def relocate_titan_dataset(name: str, location: str) -> None:
+    """Point torchtitan's own dataset `name`, registered with a path relative to the working directory
+    (c4_test: tests/assets/…), at `location`, the same files found elsewhere (an absolute path): the ranks'
+    working directory need not be a torchtitan checkout. 0.3.0 keeps the path in `path`, main in the
+    source's `load_dataset_kwargs["data_files"]` (registered_dataset_paths reads both)."""
+    import dataclasses
+
+    from torchtitan.hf_datasets.text_datasets import DATASETS
+
+    config = DATASETS[name]
+    if not folded_batch():
+        DATASETS[name] = dataclasses.replace(config, path=location)
+        return
+    source = config.source
+    if "data_files" in (source.load_dataset_kwargs or {}):
+        source = dataclasses.replace(source, load_dataset_kwargs={**source.load_dataset_kwargs, "data_files": location})
+    else:
+        source = dataclasses.replace(source, path=location)
+    DATASETS[name] = dataclasses.replace(config, source=source)
 
 
 def registered_dataset_paths() -> dict[str, str]:

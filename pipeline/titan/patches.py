@@ -187,7 +187,7 @@ class SynchronizedMemoryMonitor:
     """torchtitan's DeviceMemoryMonitor with the device synchronized before every read or reset.
 
     TorchNeuron executes asynchronously: "call torch.neuron.synchronize() before you read any memory
-    statistic" (torch/guides/memory-profiling-guide, shared/notes/neuron.md); read without it, the
+    statistic" (neuron:torch/guides/memory-profiling-guide.html, docs/sources.md); read without it, the
     peak lags behind the step it is logged for.
     """
 

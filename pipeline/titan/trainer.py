@@ -20,7 +20,8 @@ from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
-from pipeline.fsutil import atomic_write_text, fsync_file
+from pipeline.console import StepClock, step_line
+from pipeline.fsutil import atomic_write_text, fsync_file, give_ordinary_modes
 from pipeline.run import rundir
 from pipeline.run.rundir import RunDir
 from pipeline.titan import accessors
@@ -54,7 +55,10 @@ class JsonlMetricsProcessor(MetricsProcessor):
         (0: the model config's own get_nparams_and_flops)."""
 
     logged_peak_memory_gib = 0.0  # the largest peak any logged step read (log() raises it per instance)
+    total_steps = 0  # the run's training.steps (PipelineTrainer sets it, TITAN_ARGS applied): the step line's N
+    clock: StepClock | None = None
     timings: dict[str, float] | None = None  # PipelineTrainer.timings: step 1 writes them (timings.json)
+    step_metrics = None  # a trainer's own metrics of the step being logged (titan.dpo: rewards/…), a callable
 
     def __init__(self, config: Config, **kwargs):
         super().__init__(config, **kwargs)
@@ -100,6 +104,10 @@ class JsonlMetricsProcessor(MetricsProcessor):
             "memory_kind": self.config.memory_kind,
             "time": time.time(),
         }
+        if self.step_metrics is not None:
+            own = self.step_metrics()
+            record.update(own)
+            extra_metrics = {**(extra_metrics or {}), **own}
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
         if self.is_writer and self.config.jsonl_path:
             if getattr(self, "held_record", None):  # no validation came for it (TITAN_ARGS changed the validator)
@@ -109,8 +117,10 @@ class JsonlMetricsProcessor(MetricsProcessor):
                 self.held_record = record  # torchtitan's validator runs right after this step's log
             else:
                 self._write(record)
+            self.clock = self.clock or StepClock(self.total_steps)
+            eta = self.clock.eta(step, time.perf_counter(), record["step_time_s"])
+            print(step_line(step, self.total_steps, global_avg_loss, tokens_per_s, eta), flush=True)
             if step == 1:
-                print(f"step-1 loss: {global_avg_loss:.6f}", flush=True)
                 if self.timings:
                     Path(self.config.jsonl_path).with_name(rundir.TIMINGS).write_text(
                         json.dumps({**self.timings, "step1": record["time"]}) + "\n")
@@ -130,7 +140,8 @@ class JsonlMetricsProcessor(MetricsProcessor):
             if record["step"] != step:
                 self._write(record)
                 record = {"step": step}
-            self._write({**record, "eval_loss": float(loss)})
+            self._write({**record, "eval_loss": float(loss), **(extra_metrics or {})})
+            print(f"step {step}: eval loss (held out) {float(loss):.6f}", flush=True)
 
 
 def release_free_memory() -> None:
@@ -206,10 +217,24 @@ class WeightsCheckpointManager(accessors.checkpoint_manager_base()):
         with open(RunDir(directory.parent.parent).saves, "a") as handle:
             handle.write(json.dumps(record) + "\n")
 
+    reference = None  # titan.dpo.Reference of a DPO run: the starting weights, taken once they are loaded
+
     def after_load(self, step: int, loaded: bool) -> None:
         release_free_memory()  # the load's buffers (a whole checkpoint read and converted) are gone
+        if self.reference is not None:
+            self._take_reference(step)
         if self.timings is not None:
             self.timings["loaded"] = time.time()
+
+    @torch.no_grad()
+    def _take_reference(self, step: int) -> None:
+        """A fresh start loaded the source: those are the reference. A resumed run loaded step N: the source is
+        loaded once more for the reference, then step N's weights are put back."""
+        if step <= 0 or self.reference.lora:
+            self.reference.take()
+            return
+        self.reference.take(load_first=self.load_starting_weights)
+        logger.info(f"DPO: resumed at step {step}; the reference is the source's weights, loaded again")
 
     def hf_dtype(self, step: int) -> str | None:
         """The dtype step-N/hf was saved in, None when the step has no (readable) HF save."""
@@ -251,6 +276,7 @@ class WeightsCheckpointManager(accessors.checkpoint_manager_base()):
             shutil.rmtree(tmp / rundir.HF_SHARDED, ignore_errors=True)
             if adapters is not None:  # before the weights: a step with weights has its adapters too
                 save_file(dict(adapters), str(directory / f".{rundir.ADAPTERS}.tmp"), metadata={"format": "pt"})
+                give_ordinary_modes(directory / f".{rundir.ADAPTERS}.tmp")
                 os.replace(directory / f".{rundir.ADAPTERS}.tmp", directory / rundir.ADAPTERS)
             # A resumed run saving its last step again (another dtype): the old save goes only once the new is whole.
             aside = directory / f".{rundir.HF_WEIGHTS}.old"
@@ -267,11 +293,18 @@ class WeightsCheckpointManager(accessors.checkpoint_manager_base()):
 
     @staticmethod
     def _hash_shards(directory: Path, rank: int, world: int) -> dict[str, dict]:
-        """Every shard's sha256, size and mtime, each rank hashing (and fsyncing) its share: export's
-        manifest takes a linked shard's hash from here while the file's size and mtime are still these."""
-        from pipeline.checkpoint import manifest
+        """Every shard's sha256, size and mtime, each rank hashing (and fsyncing) its share: the reference
+        export and verify check the saved weights against (RunDir.hf_hashes), and export's manifest's.
+        First each shard of the share gets save_pretrained's {"format": "pt"} header metadata, which torch's
+        consolidation does not write (transformers' loaders read it), so that export can link them."""
+        from pipeline.checkpoint import manifest, stream
 
         shards = sorted(directory.glob("*.safetensors"))
+        for i, shard in enumerate(shards):
+            if i % world == rank and not stream.has_pt_format(shard):
+                marked = shard.with_name(f".{shard.name}.pt")
+                stream.copy_with_metadata(shard, marked, stream.PT_METADATA)
+                os.replace(marked, shard)
         mine = {p.name: {"sha256": manifest.sha256(p), "bytes": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns}
                 for i, p in enumerate(shards) if i % world == rank}
         # torch's consolidation does not fsync what it writes: on disk before the save is named hf.
@@ -331,6 +364,7 @@ class PipelineTrainer(Trainer):
         super().__init__(config, **kwargs)
         self.timings: dict[str, float] = {}
         self.checkpointer.timings = self.metrics_processor.timings = self.timings  # the components that add to them
+        self.metrics_processor.total_steps = self.config.training.steps
         if getattr(self.checkpointer, "lora", None):
             from pipeline.titan import lora
 
@@ -383,8 +417,13 @@ class PipelineTrainer(Trainer):
         path = Path(self.config.metrics.jsonl_path) if self.config.metrics.jsonl_path else None
         if path is None or not path.exists() or torch.distributed.get_rank() != 0:
             return
-        lines = path.read_text().splitlines()
-        keep = [line for line in lines if line.strip() and json.loads(line)["step"] <= self._resume_step()]
+        run = RunDir(Path(self.config.dump_folder))
+        torn = run.drop_torn_metrics_tail()  # the launcher dropped it already; not a rank started by launch files
+        if torn:
+            logger.warning(torn.removeprefix("warning: "))
+        resumed = self._resume_step()
+        steps = [(line, run.metric_step(line)) for line in path.read_text(errors="replace").splitlines() if line.strip()]
+        keep = [line for line, step in steps if step is not None and step <= resumed]
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(line + "\n" for line in keep))
         os.replace(tmp, path)
@@ -400,5 +439,6 @@ class PipelineTrainer(Trainer):
         tensors |= {k: v.contiguous() for k, v in input_dict.items() if isinstance(v, torch.Tensor)}
         tmp = directory / f".rank{rank}.tmp"
         save_file(tensors, str(tmp))
+        give_ordinary_modes(tmp)
         os.replace(tmp, directory / f"rank{rank}.safetensors")
         logger.info(f"Saved the first batch of rank {rank} to {directory}")

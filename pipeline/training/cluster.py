@@ -3,16 +3,20 @@
 `--scheduler slurm` writes an sbatch script, `--scheduler eks` Kubernetes manifests (a
 ConfigMap with run.json, a headless Service for the rendezvous, an Indexed Job with one pod
 per node). Both run the exact torchrun command `train` would, with c10d rendezvous on the
-first node and the EFA environment. The model must already be downloaded (and the data
-prepared) under the cluster's checkpoints directory, a filesystem every node shares.
+first node and the EFA environment. The model must already be downloaded under the cluster's
+checkpoints directory, a filesystem every node shares; a dataset that is staged (DATASET=c4:
+pipeline.training.staged) is staged there by the launch files, once, before any rank starts (the
+sbatch script's first step, the EKS staging job).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shlex
-from dataclasses import dataclass, field
+import shutil
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pipeline import envvars
@@ -61,27 +65,28 @@ class LaunchPlan:
     time_limit: str | None = None
     job_name: str | None = None
     hf_env: dict | None = None
+    efa_devices: int = targets.TRN2.efa_devices
+    carried: dict | None = None  # {cluster path: host path}: local DATASET files the staging step copies (slurm)
+
+
+# The run request's flags as `launch` takes them: a cluster run is trn2's unless told (cpu: the rehearsal's
+# nodes), of the native path unless told; FRESH is refused (see plan()).
+RUN_FLAGS = {"path": {"default": "native"}, "target": {"default": "trn2", "choices": tuple(LAUNCH_ENV)},
+             "fresh": {"hidden": True}}
 
 
 @dataclass(frozen=True)
 class LaunchRequest:
-    """What `make launch-slurm` / `launch-eks` (and the rehearsal's two nodes) ask for. Fields with help
-    are the `launch` stage's flags (pipeline.flags); TrainSettings' flag fields come in `flags`, as for
-    `train`: the cluster's run.json is train's dry run."""
+    """What `make launch-slurm` / `launch-eks` (and the rehearsal's two nodes) ask for: the run, as `train`
+    would be asked for it (the cluster's run.json is train's dry run), and where and how its nodes run.
+    Fields with help are the `launch` stage's flags (pipeline.flags), beside RunRequest's (RUN_FLAGS)."""
 
+    run: RunRequest
     scheduler: str = flag(None, "slurm (an sbatch script) or eks (Kubernetes manifests)", required=True,
                           choices=("slurm", "eks"))
     nodes: int = flag(None, "number of nodes", required=True)
-    model: str = flag(None, "Hub id, local HF directory, or tiny / tiny-moe", required=True)
-    path: str = flag("native", "training path")
-    config: Path | None = flag(None, "your config file, layered over configs/<target>.toml key by key")
-    revision: str | None = flag(None, "the Hub revision the run must start from (as downloaded)")
-    titan_args: tuple[str, ...] = flag((), "torchtitan flags over the built config, as train's", words=True)
-    dry_run: bool = flag(False, "print the run.json and the files, write nothing")
-    fresh: bool = flag(False, "refused: see plan()", hidden=True)
-    target: str = flag("trn2", "trn2 nodes; cpu renders the same files for CPU machines (the rehearsal runs them)",
-                       choices=tuple(LAUNCH_ENV))
-    image: str | None = flag(None, "image reference the cluster can pull (default: the lock-derived tag)")
+    image: str | None = flag(None, "image reference the cluster can pull, by digest (default: what `make push` pushed "
+                             "of this lock's image); slurm: or an enroot squashfs file on the shared file system")
     runtime: str = flag("pyxis", "slurm: run in the image via pyxis/enroot, or in a venv on the shared filesystem",
                         choices=("pyxis", "venv"))
     venv: str | None = flag(None, "slurm --runtime venv: the venv (default: this repo's .venv)")
@@ -90,23 +95,28 @@ class LaunchRequest:
     compile_cache: str | None = flag(None, "persistent Neuron compile cache on shared storage")
     namespace: str = flag("default", "eks: the namespace")
     pvc: str = flag("fsx-claim", "eks: PersistentVolumeClaim holding the checkpoints")
+    efa_devices: int = flag(targets.TRN2.efa_devices, "eks: EFA interfaces each trn2 pod requests "
+                            "(vpc.amazonaws.com/efa; 0: none, one node only)")
     output: Path | None = flag(None, "where to write (default: checkpoints/<key>/launch/<scheduler>-<N>)")
     run_dir: str | None = flag(None, "the run's directory as the nodes see it (default: <cluster checkpoints>/<key>/"
-                               "runs/<path>)")
+                               "runs/<name>)")
     partition: str | None = flag(None, "slurm: sbatch --partition (default: the cluster's default partition)")
     account: str | None = flag(None, "slurm: sbatch --account")
     time_limit: str | None = flag(None, "slurm: sbatch --time, e.g. 04:00:00 (default: the partition's limit)")
-    job_name: str | None = flag(None, "sbatch --job-name / the Job's name (default: qwen3-<model key>-<path>)")
-    flags: dict = field(default_factory=dict)  # TrainSettings fields given on the command line (STEPS=…)
+    job_name: str | None = flag(None, "sbatch --job-name / the Job's name (default: qwen3-<model key>-<run name>)")
     local_image_ok: bool = False  # the rehearsal runs the pods' command here: no image is pulled
 
 
 def plan(request: LaunchRequest) -> LaunchPlan:
+    run = request.run
     if request.nodes < 1:
         raise PipelineError(f"NODES={request.nodes} must be at least 1.", "give NODES ≥ 1.")
-    if request.fresh:
+    if run.fresh:
         raise PipelineError("FRESH=1 with a cluster launch would discard the run's checkpoints on every requeue.",
                             "delete <run dir>/checkpoint on the shared filesystem before submitting instead.")
+    if run.target not in LAUNCH_ENV:
+        raise PipelineError(f"launch target {run.target!r} has no launch environment.",
+                            f"give one of {', '.join(LAUNCH_ENV)}.")
     default_ckpt = "/fsx/checkpoints" if request.scheduler == "slurm" else IMAGE.checkpoints
     cluster_ckpt = request.cluster_checkpoints or default_ckpt
     if not cluster_ckpt.startswith("/"):
@@ -118,26 +128,35 @@ def plan(request: LaunchRequest) -> LaunchPlan:
             raise PipelineError(f"{given} {str(value)!r} holds a control character (a newline?).",
                                 "give it without newlines or other control characters.")
     # The trn2 run with the paths the nodes see; TP/FSDP checked against the multi-node world.
-    spec = resolve(RunRequest(model=request.model, path=request.path, target=request.target,
-                              flags={**request.flags, "nnodes": request.nodes}, config=request.config,
-                              revision=request.revision, titan_args=request.titan_args,
-                              dry_run=True, checkpoints_root=Path(cluster_ckpt),
-                              run_dir=Path(request.run_dir) if request.run_dir else None))
-    cluster_home = store.home(request.model, Path(cluster_ckpt))
+    spec = resolve(replace(run, flags={**run.flags, "nnodes": request.nodes}, dry_run=True,
+                           checkpoints_root=Path(cluster_ckpt),
+                           directory=Path(request.run_dir) if request.run_dir else None))
+    cluster_home = store.home(run.model, Path(cluster_ckpt))
     if cluster_home.source.kind == "hub":
         # The nodes read the Hub snapshot through <key>/source, the link `make download` leaves under the
         # shared root (this host's HF cache path would mean nothing on them).
         spec.source_dir = str(cluster_home.local_source)
-    output = request.output or store.home(request.model).launch / f"{request.scheduler}-{request.nodes}"
+    output = request.output
+    if output is None:
+        home = store.home(run.model)
+        if not run.dry_run:  # a dry run writes nothing; a written launch folder is the pipeline's too (clean)
+            store.mark_root(home.root, home.source.key)
+        output = home.launch / f"{request.scheduler}-{request.nodes}"
+    carried = carry_local_data(spec, request.scheduler, cluster_ckpt, Path(output))
+    check_efa_devices(request.efa_devices, request.nodes, run.target)
     needs_image = request.scheduler == "eks" or request.runtime == "pyxis"
-    image = cluster_image(request.image, needs_image and not request.local_image_ok)
+    if is_squashfs(request.image):
+        image = squashfs_image(request.image, request.scheduler, request.runtime)
+    else:
+        image = cluster_image(request.image, needs_image and not request.local_image_ok)
     return LaunchPlan(
         scheduler=request.scheduler, nodes=request.nodes, image=image, runtime=request.runtime,
         venv=request.venv or str(store.REPO / ".venv"), cluster_checkpoints=cluster_ckpt,
         compile_cache=request.compile_cache or f"{cluster_ckpt}/.neuron-compile-cache", output=Path(output),
         namespace=request.namespace, pvc=request.pvc, spec=spec, partition=request.partition,
         account=request.account, time_limit=request.time_limit,
-        job_name=request.job_name, hf_env=hf_environment(os.environ))
+        job_name=request.job_name, hf_env=hf_environment(os.environ), efa_devices=request.efa_devices,
+        carried=carried)
 
 
 def cluster_image(given: str | None, required: bool) -> str:
@@ -154,6 +173,67 @@ def cluster_image(given: str | None, required: bool) -> str:
                             "run `make push REGISTRY=<registry>/<repo>` (launch then uses the pushed digest), or give "
                             "IMAGE=<registry>/<repo>@sha256:<digest>.")
     return image
+
+
+# ---- Slurm with pyxis: which image references the nodes' enroot reads ----------------------------------
+# pyxis passes --container-image to `enroot import docker://<image>` on each node, or uses a squashfs file
+# when the value starts with "." or "/" (pyxis_slurmstepd.c). enroot reads REGISTRY/IMAGE@sha256:<digest>
+# from 4.0.0 on (2025-10-01, src/docker.sh `_parse_uri`); 3.x takes only [USER@][REGISTRY#]IMAGE[:TAG]
+# (doc/cmd/import.md). enroot 3.1-3.5 match a tag against [[:alnum:]._:-]+ and fetch
+# /v2/<image>/manifests/<tag> (src/docker.sh v3.1.0-v3.5.0), so a digest given in the tag's place,
+# REGISTRY#IMAGE:sha256:<digest>, is the registry's by-digest manifest there: the import command the
+# refusal prints keeps the pin.
+SQUASHFS_SUFFIXES = (".sqsh", ".squashfs")
+ENROOT_DIGEST_MAJOR = 4
+
+
+def is_squashfs(image: str | None) -> bool:
+    return bool(image) and image.endswith(SQUASHFS_SUFFIXES)
+
+
+def squashfs_image(image: str, scheduler: str, runtime: str) -> str:
+    """An enroot squashfs file the nodes read from the shared file system (pyxis only)."""
+    if scheduler != "slurm" or runtime != "pyxis":
+        raise PipelineError(f"--image {image} is an enroot squashfs file, which only pyxis on Slurm reads.",
+                            "give IMAGE=<registry>/<repo>@sha256:<digest> (or RUNTIME=pyxis with launch-slurm).")
+    if not image.startswith("/"):
+        raise PipelineError(f"--image {image} is a relative path; each node resolves it in its own working directory.",
+                            "give the squashfs file's absolute path on the shared file system.")
+    return image
+
+
+def enroot_import_command(plan_: LaunchPlan) -> str:
+    """`enroot import` of the plan's image into a squashfs file beside the checkpoints, in the form enroot
+    3.x reads (REGISTRY#IMAGE:sha256:<digest>, see above)."""
+    repository, digest = plan_.image.split("@", 1)
+    registry, name = repository.split("/", 1)
+    target = f"{plan_.cluster_checkpoints}/images/{name.replace('/', '-')}-{digest.removeprefix('sha256:')[:12]}.sqsh"
+    return f"enroot import --output {shlex.quote(target)} {shlex.quote(f'docker://{registry}#{name}:{digest}')}"
+
+
+def image_check(plan_: LaunchPlan) -> str:
+    """sbatch lines that stop the job in one line, before srun, when the nodes cannot read the image."""
+    if plan_.runtime != "pyxis" or not (is_squashfs(plan_.image) or pushed.is_pinned(plan_.image)):
+        return ""  # a venv, or the rehearsal's local image (nothing is pulled)
+    image = shlex.quote(plan_.image)
+    if is_squashfs(plan_.image):
+        return (f'[ -r {image} ] || {{ echo "error: the image file {_double_quoted(plan_.image)} is not readable on '
+                '$(hostname). Fix: import it once to the shared file system every node mounts (enroot import --output '
+                '<file>.sqsh docker://…), or pass IMAGE=<registry>/<repo>@sha256:<digest>." >&2; exit 2; }\n')
+    fix = (f"import it once to the shared file system, {enroot_import_command(plan_)}, then render with "
+           f"make launch-slurm IMAGE=<that .sqsh file> (or install enroot 4 or newer on the nodes)")
+    return (f"# pyxis hands {plan_.image} to enroot, which reads digest references from {ENROOT_DIGEST_MAJOR}.0 on.\n"
+            'ENROOT_VERSION="$(enroot version 2>/dev/null || true)"\n'
+            'case "$ENROOT_VERSION" in\n'
+            f'  ""|[0-{ENROOT_DIGEST_MAJOR - 1}].*)\n'
+            f'    echo "error: enroot ${{ENROOT_VERSION:-(none on PATH)}} on $(hostname) cannot pull {plan_.image} '
+            f'(a digest reference needs enroot {ENROOT_DIGEST_MAJOR}.0 or newer). Fix: {_double_quoted(fix)}" >&2\n'
+            "    exit 2 ;;\nesac\n")
+
+
+def _double_quoted(text: str) -> str:
+    """Text safe inside a double-quoted bash string."""
+    return "".join("\\" + c if c in '"$`\\' else c for c in text)
 
 
 def hf_environment(environ) -> dict:
@@ -187,7 +267,8 @@ def _env_lines(plan_: LaunchPlan) -> dict:
     cache = {targets.NEFF_CACHE_ENV: plan_.compile_cache} if target == "trn2" else {}
     # The target's run-size-dependent variables as `train` sets them (the nodes' memory assumed this host's).
     sized = targets.TARGETS[target].launch_vars({}, host_need(plan_.spec))
-    return {**sized, **LAUNCH_ENV[target], **cache, **(plan_.hf_env or {}),
+    network = LAUNCH_ENV[target] if plan_.efa_devices > 0 else {}
+    return {**sized, **network, **cache, **(plan_.hf_env or {}),
             envvars.CHECKPOINTS: plan_.cluster_checkpoints, "PYTHONUNBUFFERED": "1"}
 
 
@@ -204,6 +285,80 @@ def sbatch_options(plan_: LaunchPlan) -> list[str]:
         if value:
             options.append(f"--{sbatch_option}={value}")
     return [f"#SBATCH {shlex.quote(option)}" for option in options]
+
+
+def data_staging(spec: RunSpec) -> list[str]:
+    """The `data` stage's arguments that stage the run's dataset onto the shared root (nothing for data
+    the model's own `make data` wrote there)."""
+    if spec.data_kind == "staged":
+        return ["--dataset", spec.settings.dataset]
+    return []
+
+
+CARRIED = "data"  # <launch folder>/data/: a local DATASET's files, carried to the nodes with the sbatch script
+
+
+def carry_local_data(spec: RunSpec, scheduler: str, cluster_ckpt: str, output: Path) -> dict[str, str]:
+    """A local DATASET file (and its held-out file) is a path on this host, which no node has: the run reads
+    it at <cluster root>/data/carried/<stem>-<sha12>/<name> instead (apart from data/sets, whose split folders
+    `make data` replaces whole), copied there by the staging step from the launch folder (which the nodes mount:
+    they read run.json there). {cluster path: host path}. EKS pods mount only the volume: refused in one line
+    naming how to put it there."""
+    from pipeline.checkpoint import manifest
+
+    carried = {}
+    for name in ("data_file", "eval_file"):
+        host = getattr(spec, name)
+        if spec.data_kind != "file" or not host or Path(host).is_relative_to(cluster_ckpt):
+            continue
+        if scheduler == "eks":
+            raise PipelineError(f"DATASET={spec.settings.dataset} is read from {host}, a file on this host; the EKS pods "
+                                "mount only the checkpoints volume.",
+                                "copy the file onto that volume (e.g. kubectl cp into a pod that mounts it) and give "
+                                "DATASET=<its path under CLUSTER_CHECKPOINTS>, or launch with launch-slurm.")
+        digest = manifest.sha256(Path(host))
+        cluster = f"{cluster_ckpt}/data/carried/{Path(host).stem}-{digest[:12]}/{Path(host).name}"
+        carried[cluster] = host
+        setattr(spec, name, cluster)
+        if name == "data_file":  # DATASET itself names the file the nodes read
+            spec.settings = dataclasses.replace(spec.settings, dataset=cluster)
+    return carried
+
+
+def carried_name(cluster_path: str) -> str:
+    return f"{Path(cluster_path).parent.name}-{Path(cluster_path).name}"
+
+
+def staging_commands(plan_: LaunchPlan, python: str) -> list[str]:
+    """Shell commands that put the run's data on the shared root: the data stage for a staged set, and a
+    checked copy of each file carried in the launch folder (sha256 verified before it is moved into place)."""
+    commands = []
+    staging = data_staging(plan_.spec)
+    if staging:
+        commands.append(shlex.join([python, "-m", "pipeline", "data", "--model", plan_.spec.model, *staging]))
+    from pipeline.checkpoint import manifest
+
+    for cluster, host in sorted((plan_.carried or {}).items()):
+        source, part = str(plan_.output / CARRIED / carried_name(cluster)), f"{cluster}.part"
+        check = f"{manifest.sha256(Path(host))}  {part}"
+        commands.append(f"mkdir -p {shlex.quote(str(Path(cluster).parent))} && cp {shlex.quote(source)} "
+                        f"{shlex.quote(part)} && echo {shlex.quote(check)} | sha256sum -c --quiet && "
+                        f"mv {shlex.quote(part)} {shlex.quote(cluster)}")
+    return commands
+
+
+def slurm_staging_step(plan_: LaunchPlan, runtime: str, python: str, workdir: str) -> str:
+    """One task on one node stages the data before the ranks' srun (the ranks then only read it)."""
+    commands = staging_commands(plan_, python)
+    if not commands:
+        return ""
+    return f"""# The training data, staged once onto the shared file system before any rank starts.
+STAGE_CMD="$(cat <<'STAGE'
+cd {shlex.quote(workdir)} && {" && ".join(commands)}
+STAGE
+)"
+srun --nodes=1 --ntasks=1 {runtime}bash -c "$STAGE_CMD"
+"""
 
 
 def render_slurm(plan_: LaunchPlan) -> dict[str, str]:
@@ -236,13 +391,13 @@ export MASTER_ADDR="${{MASTER_ADDR:-$MASTER_NODE}}"
 export MASTER_PORT="${{MASTER_PORT:-{RDZV_PORT}}}"
 export RDZV_ID="$SLURM_JOB_ID"
 {f'mkdir -p "${targets.NEFF_CACHE_ENV}"' if spec.target == "trn2" else ""}
-
+{image_check(plan_)}
 # Quoted heredoc: ${{MASTER_ADDR}} and friends expand on each node, not here.
 NODE_CMD="$(cat <<'NODE'
 cd {shlex.quote(workdir)} && exec {node_command(spec, python, run_json)}
 NODE
 )"
-srun --kill-on-bad-exit=1 --ntasks-per-node=1 {runtime}bash -c "$NODE_CMD"
+{slurm_staging_step(plan_, runtime, python, workdir)}srun --kill-on-bad-exit=1 --ntasks-per-node=1 {runtime}bash -c "$NODE_CMD"
 """
     return {"train.sbatch": script, rundir.RUN_JSON: spec.to_json()}
 
@@ -257,7 +412,7 @@ def render_eks(plan_: LaunchPlan) -> dict[str, str]:
     # HF_TOKEN from a Secret (never in the manifest); optional: public models need none.
     token = {"name": envvars.HF_TOKEN, "valueFrom": {"secretKeyRef": {"name": HF_TOKEN_SECRET, "key": "token",
                                                                  "optional": True}}}
-    resources = {"aws.amazon.com/neuron": targets.TRN2.chips, "vpc.amazonaws.com/efa": targets.TRN2.efa_devices}
+    resources = trn2_resources(plan_.efa_devices)
     config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{name}-run", "labels": labels},
                   "data": {rundir.RUN_JSON: spec.to_json()}}
     # Headless, and publishing not-ready pods: every pod must resolve <name>-0 before any is ready.
@@ -269,7 +424,7 @@ def render_eks(plan_: LaunchPlan) -> dict[str, str]:
         "command": ["bash", "-c", node_command(spec, IMAGE.python, RUN_JSON_IN_POD)],
         "env": [{"name": k, "value": v} for k, v in env.items()] + [token],
         "resources": {"requests": dict(resources), "limits": dict(resources)},
-        "securityContext": {"capabilities": {"add": ["IPC_LOCK"]}},  # EFA pins memory
+        "securityContext": {"capabilities": {"add": ["IPC_LOCK"]}, **IMAGE_USER},  # EFA pins memory
         "volumeMounts": [{"name": "checkpoints", "mountPath": plan_.cluster_checkpoints},
                          {"name": "run", "mountPath": str(Path(RUN_JSON_IN_POD).parent)},
                          {"name": "shm", "mountPath": "/dev/shm"}],
@@ -288,6 +443,8 @@ def render_eks(plan_: LaunchPlan) -> dict[str, str]:
                     "nodeSelector": {"node.kubernetes.io/instance-type": "trn2.48xlarge"},
                     "affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
                         {"labelSelector": {"matchLabels": labels}, "topologyKey": "kubernetes.io/hostname"}]}},
+                    "securityContext": pod_security_context(),
+                    "initContainers": [volume_owner_step(plan_)],
                     "containers": [container],
                     "volumes": [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": plan_.pvc}},
                                 {"name": "run", "configMap": {"name": f"{name}-run"}},
@@ -297,7 +454,8 @@ def render_eks(plan_: LaunchPlan) -> dict[str, str]:
         },
     }
     if spec.target != "trn2":  # CPU nodes (the rehearsal): no Neuron devices, EFA or trn2 instance type
-        del container["resources"], container["securityContext"], job["spec"]["template"]["spec"]["nodeSelector"]
+        del container["resources"], job["spec"]["template"]["spec"]["nodeSelector"]
+        container["securityContext"] = dict(IMAGE_USER)
     for doc in (config_map, service, job):
         doc["metadata"]["namespace"] = plan_.namespace
     text = "# Rendered by `python -m pipeline launch --scheduler eks`. Apply: kubectl apply -f job.yaml\n"
@@ -312,21 +470,64 @@ def staging_job(plan_: LaunchPlan, name: str, labels: dict, token: dict) -> dict
     """One pod that runs `download` and `data` in the image onto the shared volume: what the nodes read."""
     spec = plan_.spec
     steps = [[IMAGE.python, "-m", "pipeline", "download", "--model", spec.model],
-             [IMAGE.python, "-m", "pipeline", "data", "--model", spec.model]]
+             [IMAGE.python, "-m", "pipeline", "data", "--model", spec.model, *data_staging(spec)]]
     # The Hub cache on the volume unless HF_HOME says otherwise: the image's own /hf-cache dies with the pod.
     env = {envvars.CHECKPOINTS: plan_.cluster_checkpoints, "PYTHONUNBUFFERED": "1",
            "HF_HOME": f"{plan_.cluster_checkpoints}/.hf-home", **(plan_.hf_env or {})}
     container = {"name": "stage", "image": plan_.image, "workingDir": IMAGE.workdir,
                  "command": ["bash", "-c", " && ".join(shlex.join(step) for step in steps)],
                  "env": [{"name": k, "value": v} for k, v in env.items()] + [token],
+                 "securityContext": dict(IMAGE_USER),
                  "volumeMounts": [{"name": "checkpoints", "mountPath": plan_.cluster_checkpoints}]}
     return {"apiVersion": "batch/v1", "kind": "Job",
             "metadata": {"name": f"{name}-stage", "labels": labels, "namespace": plan_.namespace},
             "spec": {"backoffLimit": 2, "template": {"metadata": {"labels": labels}, "spec": {
-                "restartPolicy": "OnFailure", "containers": [container],
+                "restartPolicy": "OnFailure", "securityContext": pod_security_context(),
+                "initContainers": [volume_owner_step(plan_)], "containers": [container],
                 "volumes": [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": plan_.pvc}}]}}}}
 
 
+# ---- EKS: the pods' user on the shared volume, and the devices they request ----------------------------
+# The image's user, by number (the Dockerfile: the base's UID-1000 user, Ubuntu's `ubuntu`, whose group is
+# 1000 too): named in the pod so the kubelet, not the image's USER line, decides who the trainer is.
+IMAGE_USER = {"runAsUser": IMAGE.uid, "runAsGroup": IMAGE.uid, "runAsNonRoot": True}
+
+
+def pod_security_context() -> dict:
+    """fsGroup makes the volume group-writable for the image's user where the CSI driver applies it. The FSx
+    for Lustre driver's CSIDriver has kept the default fsGroupPolicy (ReadWriteOnceWithFSType, kubernetes-sigs/
+    aws-fsx-csi-driver#348 was closed unmerged), which skips ReadWriteMany volumes: hence volume_owner_step."""
+    return {"fsGroup": IMAGE.uid, "fsGroupChangePolicy": "OnRootMismatch"}
+
+
+def volume_owner_step(plan_: LaunchPlan) -> dict:
+    """An init step, as root, that gives a root-owned volume's top directory (a fresh FSx file system's) to
+    the image's user, whatever the CSI driver does with fsGroup. Only that directory, not recursively:
+    everything below it is written by the pipeline as that user, and a volume holding earlier runs has
+    millions of files. A namespace that enforces the "restricted" Pod Security Standard refuses a root
+    container: there, chown the directory once by hand (docs/trn2.md)."""
+    root, owner = plan_.cluster_checkpoints, f"{IMAGE.uid}:{IMAGE.uid}"
+    script = (f'd={shlex.quote(root)}; if [ "$(stat -c %u:%g "$d")" != {owner} ]; then '
+              f'chown {owner} "$d" && chmod u+rwx "$d" && echo "gave $d to {owner}"; fi')
+    return {"name": "volume-owner", "image": plan_.image, "command": ["sh", "-c", script],
+            "securityContext": {"runAsUser": 0, "runAsGroup": 0, "runAsNonRoot": False},
+            "volumeMounts": [{"name": "checkpoints", "mountPath": root}]}
+
+
+def trn2_resources(efa_devices: int) -> dict:
+    """Every Neuron device of the node, and the EFA interfaces asked for (none: no EFA resource)."""
+    resources = {"aws.amazon.com/neuron": targets.TRN2.chips}
+    if efa_devices > 0:
+        resources["vpc.amazonaws.com/efa"] = efa_devices
+    return resources
+
+
+def check_efa_devices(efa_devices: int, nodes: int, target: str) -> None:
+    if efa_devices < 0:
+        raise PipelineError(f"EFA_DEVICES={efa_devices} is negative.", f"give 0 to {targets.TRN2.efa_devices}.")
+    if efa_devices == 0 and nodes > 1 and target == "trn2":
+        raise PipelineError(f"EFA_DEVICES=0 with NODES={nodes}: trn2 nodes exchange collectives over EFA.",
+                            f"request the node's EFA interfaces (trn2.48xlarge: {targets.TRN2.efa_devices}), or NODES=1.")
 
 
 def render(plan_: LaunchPlan) -> dict[str, str]:
@@ -337,6 +538,12 @@ def write(plan_: LaunchPlan, rendered: dict[str, str]) -> dict[str, Path]:
     """Each rendered file under the plan's output, atomically (the sbatch script executable)."""
     plan_.output.mkdir(parents=True, exist_ok=True)
     written = {}
+    for cluster, host in sorted((plan_.carried or {}).items()):  # what the staging step copies onto the shared root
+        carried = plan_.output / CARRIED / carried_name(cluster)
+        carried.parent.mkdir(exist_ok=True)
+        shutil.copyfile(host, f"{carried}.tmp")
+        os.replace(f"{carried}.tmp", carried)
+        print(f"carried {host} → {carried} (staged to {cluster} before the ranks start)")
     for name, text in rendered.items():
         path = plan_.output / name
         atomic_write_text(path, text)

@@ -7,7 +7,9 @@ each rank with torchtitan's dataset registry (so torchtitan's own HF text loader
                     (system/user/assistant turns) or "prompt"/"completion" (pipeline.training.chat),
                     told apart by the first record's keys
   a .txt file       plain UTF-8 text, one document per paragraph (blank-line separated)
-  c4, c4_test, …    a torchtitan dataset (titan.api.titan_datasets()); C4 is trn2's default
+  c4                its shards staged once into <root>/data/sets/c4 (`make data DATASET=c4`,
+                    pipeline.training.staged), read as local files by every rank; trn2's default
+  c4_test, …        a torchtitan dataset (titan.api.titan_datasets())
   org/name          a Hub dataset: its local copy when `make data DATASET=org/name DATASET_SPLIT=…`
                     wrote one (hub_copy: fine-tuning sets, chat or text, any split and column
                     names), else streamed with a "text" column (split "train")
@@ -18,37 +20,41 @@ from __future__ import annotations
 import codecs
 import json
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.errors import PipelineError
 from pipeline.titan import api
+from pipeline.training import staged, user_data
 
 LOCAL = "local"
 FILE_FORMATS = {".jsonl": "json", ".txt": "text"}
 # The name each rank registers a file or Hub dataset under in torchtitan's DATASETS.
-REGISTERED_NAME = {"file": "pipeline_file", "hub": "pipeline_hub"}
+REGISTERED_NAME = {"file": "pipeline_file", "hub": "pipeline_hub", "staged": "pipeline_staged"}
 EVAL_NAME = "pipeline_eval"  # the held-out file's (eval_file)
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
-LINES_CHECKED = 5
-TEXT_BYTES_CHECKED = 1 << 16
-# How far the check reads for its first lines: a "line" longer than this is no training document
-# (and a file without newlines is not read to its end).
-LINE_BYTES_CHECKED = 16 << 20
+# A "line" longer than this is no training document (and a file without newlines is not held whole).
+LINE_BYTES_CHECKED = 64 << 20
 
 
 HUB_COPIES = "hub"  # data/hub/<org>--<name>.jsonl: a Hub dataset's split as the data stage wrote it
 CHAT = "chat"
 CHAT_FILE = "chat.jsonl"  # beside the model's data/train.jsonl
 CHAT_EVAL_FILE = "chat_eval.jsonl"  # its held-out conversations (eval loss; never trained on)
+PREFERENCE = "preference"
+PREFERENCE_FILE = "preference.jsonl"  # the embedded models' preference pairs (DATASET=preference, DPO)
+PREFERENCE_EVAL_FILE = "preference_eval.jsonl"  # their held-out pairs
+# The embedded data sets beside data/train.jsonl: DATASET name → (file, held-out file, format).
+EMBEDDED_SETS = {CHAT: (CHAT_FILE, CHAT_EVAL_FILE, "chat"), PREFERENCE: (PREFERENCE_FILE, PREFERENCE_EVAL_FILE, "preference")}
 
 
 @dataclass(frozen=True)
 class DataSource:
-    kind: str  # file | hub | titan
+    kind: str  # file | hub | titan | staged
     dataset: str  # DATASET as given
-    file: str | None = None  # kind file: the absolute path read
-    format: str = "text"  # text | chat (a .jsonl file of conversations)
+    file: str | None = None  # kind file: the absolute path read; staged: the set's directory
+    format: str = "text"  # text | chat (a .jsonl file of conversations) | preference (pairs: DPO)
 
     @property
     def loader_name(self) -> str:
@@ -56,12 +62,19 @@ class DataSource:
         return REGISTERED_NAME.get(self.kind, self.dataset)
 
 
-def resolve(dataset: str, local_file: Path, check_local: bool = True, model: str = "…") -> DataSource:
+def resolve(dataset: str, local_file: Path, check_local: bool = True, model: str = "…",
+            root: Path | None = None) -> DataSource:
     """DATASET → a DataSource, refused in one line when it cannot be read. `local_file` is the
-    model's data/train.jsonl; a dry run passes check_local=False (it may run before `make data`)."""
-    if dataset in (LOCAL, CHAT):
-        file = Path(local_file) if dataset == LOCAL else Path(local_file).with_name(CHAT_FILE)
-        form = "text" if dataset == LOCAL else "chat"
+    model's data/train.jsonl (under the checkpoints root `root`, by default the one it is in); a dry
+    run passes check_local=False (it may run before `make data`)."""
+    if dataset in staged.SHARDED:
+        where = staged.set_dir(root if root is not None else Path(local_file).parents[2], dataset)
+        if check_local:
+            staged.shard_files(where, dataset)
+        return DataSource("staged", dataset, str(where))
+    if dataset == LOCAL or dataset in EMBEDDED_SETS:
+        file = Path(local_file) if dataset == LOCAL else Path(local_file).with_name(EMBEDDED_SETS[dataset][0])
+        form = "text" if dataset == LOCAL else EMBEDDED_SETS[dataset][2]
         if check_local:
             if not file.exists():
                 raise PipelineError(f"{file} does not exist (DATASET={dataset}).",
@@ -69,14 +82,22 @@ def resolve(dataset: str, local_file: Path, check_local: bool = True, model: str
             form = check_file(file)
         return DataSource("file", dataset, str(file), form)
     if dataset in api.titan_datasets():
-        _check_titan_dataset(dataset)
-        return DataSource("titan", dataset)
+        return DataSource("titan", dataset, titan_dataset_file(dataset, required=check_local))
     path = Path(dataset).expanduser()
-    if path.is_dir() and hub_copy(Path(local_file).parent, dataset).exists():  # a local dataset directory, copied
+    if path.is_dir():  # a local dataset directory: read through the copy `make data` made of it
         copy = hub_copy(Path(local_file).parent, dataset)
+        copied_from = _copied_from(copy)
+        if copied_from != str(path.resolve()):
+            said = f"its copy {copy} is of {copied_from}" if copied_from else "it has not been copied"
+            raise PipelineError(f"DATASET={dataset} is a dataset directory and {said}.",
+                                f"run `make data MODEL={model} DATASET={dataset} [DATASET_SPLIT=…] [DATASET_COLUMNS=…]` "
+                                "first (it copies a split in the pipeline's columns).")
         return DataSource("file", dataset, str(copy), check_file(copy))
     if path.suffix in FILE_FORMATS or path.exists() or dataset.startswith(("/", ".", "~")):
         form = check_file(path)
+        split = user_data.find_split(root if root is not None else Path(local_file).parents[2], path)
+        if split is not None:  # `make data` held records out of this file (as it is now): train on the rest
+            return DataSource("file", dataset, str(split / user_data.TRAIN), form)
         return DataSource("file", dataset, str(path.resolve()), form)
     if HUB_ID.fullmatch(dataset):
         copy = hub_copy(Path(local_file).parent, dataset)
@@ -88,6 +109,16 @@ def resolve(dataset: str, local_file: Path, check_local: bool = True, model: str
                         "check the spelling, or give the path of an existing file.")
 
 
+def _copied_from(copy: Path) -> str | None:
+    """The dataset a copy's record (beside it) says it was made from."""
+    from pipeline.fsutil import read_small_text
+
+    try:
+        return json.loads(read_small_text(copy.with_suffix(".json")))["dataset"] if copy.is_file() else None
+    except (OSError, ValueError, TypeError, KeyError, PipelineError):
+        return None
+
+
 def hub_copy(data_dir: Path, dataset: str) -> Path:
     """Where the data stage writes a Hub dataset's split (its record beside it, .json); a local dataset
     directory's copy is named by the directory."""
@@ -96,8 +127,10 @@ def hub_copy(data_dir: Path, dataset: str) -> Path:
 
 
 def check_file(path: Path) -> str:
-    """The file exists, is readable, and its first lines are what the loader expects; returns its
-    format (text, or chat for JSON lines of conversations)."""
+    """The file exists, is a regular readable file, and all of it reads as the ranks read it: strict
+    UTF-8 (datasets' json and text builders refuse anything else), and for JSON lines every line a
+    record of the file's format, every conversation's roles included (the first record decides: text
+    or chat). Returns the format."""
     where = f"DATASET file {path}"
     if path.is_dir():
         raise PipelineError(f"{where} is a directory.", "give a .jsonl or .txt file.")
@@ -109,31 +142,53 @@ def check_file(path: Path) -> str:
                             "give a .jsonl or .txt file.")
     try:
         with open(path, "rb") as handle:
-            head = handle.read(TEXT_BYTES_CHECKED)
-            if FILE_FORMATS[path.suffix] == "json":
-                lines = _first_lines(handle, head)
+            if FILE_FORMATS[path.suffix] == "text":
+                return _check_text(handle, where)
+            return _check_lines(handle, where)
     except FileNotFoundError as err:
         raise PipelineError(f"{where} does not exist.", "check the path.") from err
     except PermissionError as err:
         raise PipelineError(f"{where} is not readable ({err.strerror}).", "fix its permissions.") from err
-    if not head.strip():
+
+
+def _check_text(handle, where: str) -> str:
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    read, blank = 0, True
+    try:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            blank = blank and not decoder.decode(block).strip()
+            read += len(block)
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError as err:
+        raise PipelineError(f"{where} is not UTF-8 text (byte {read + err.start}).", "save it as UTF-8.") from err
+    if blank:
         raise PipelineError(f"{where} is empty.", "give a file with training text.")
-    if FILE_FORMATS[path.suffix] == "text":
+    return "text"
+
+
+def _check_lines(handle, where: str) -> str:
+    form, number = None, 0
+    while raw := handle.readline(LINE_BYTES_CHECKED + 1):
+        number += 1
+        if len(raw) > LINE_BYTES_CHECKED:
+            raise PipelineError(f"{where}:{number} is longer than {LINE_BYTES_CHECKED >> 20} MiB; JSON lines hold one "
+                                "document per line.", "write one JSON object per line, e.g. {\"text\": \"…\"}.")
+        if not raw.strip():
+            continue
         try:
-            head.decode("utf-8")
+            line = raw.decode("utf-8")
         except UnicodeDecodeError as err:
-            if err.start < len(head) - 3:  # not just a character cut at the end of the sample
-                raise PipelineError(f"{where} is not UTF-8 text (byte {err.start}).", "save it as UTF-8.") from err
-        return "text"
-    form = None
-    for number, line in lines:
+            raise PipelineError(f"{where}:{number} is not UTF-8 (byte {err.start} of the line).",
+                                "save the file as UTF-8.") from err
         form = check_record(line, where, number, form)
-    return form or "text"
+    if form is None:
+        raise PipelineError(f"{where} is empty.", "give a file with training text.")
+    return form
 
 
 def check_record(line: str, where: str, number: int, form: str | None = None) -> str:
     """One JSON line against the file's format (None: this line decides it); returns the format."""
-    from pipeline.training import chat
+    from pipeline.training import chat, preference
 
     try:
         record = json.loads(line)
@@ -141,14 +196,22 @@ def check_record(line: str, where: str, number: int, form: str | None = None) ->
         raise PipelineError(f"{where}:{number} is not JSON ({err.msg}).",
                             "write one JSON object per line, e.g. {\"text\": \"…\"}.") from err
     if form is None:
-        form = "chat" if isinstance(record, dict) and chat.is_chat_record(record) else "text"
-    if form == "chat":
-        problem = chat.conversation_problem(record)
+        form = ("preference" if isinstance(record, dict) and preference.is_preference_record(record) else
+                "chat" if isinstance(record, dict) and chat.is_chat_record(record) else "text")
+    if form in ("preference", "chat"):
+        # (what checks a record, what told the file's kind, what a record looks like)
+        problem_of, told, shape = {
+            "preference": (preference.pair_problem, "\"chosen\" and \"rejected\"",
+                           "{\"prompt\": …, \"chosen\": …, \"rejected\": …} (strings, or lists of messages), "
+                           "with chosen and rejected different"),
+            "chat": (chat.conversation_problem, "\"messages\" or \"prompt\"/\"completion\"",
+                     "{\"messages\": [{\"role\": \"user\", \"content\": …}, {\"role\": \"assistant\", "
+                     "\"content\": …}]} or {\"prompt\": …, \"completion\": …}"),
+        }[form]
+        problem = problem_of(record)
         if problem:
-            raise PipelineError(f"{where}:{number} {problem} (the file is chat data: its first record has "
-                                "\"messages\" or \"prompt\"/\"completion\").",
-                                "give every line {\"messages\": [{\"role\": \"user\", \"content\": …}, "
-                                "{\"role\": \"assistant\", \"content\": …}]} or {\"prompt\": …, \"completion\": …}.")
+            raise PipelineError(f"{where}:{number} {problem} (the file is {form} data: its first record has {told}).",
+                                f"give every line {shape}.")
         return form
     if not isinstance(record, dict) or not isinstance(record.get("text"), str):
         raise PipelineError(f"{where}:{number} has no \"text\" string (keys: "
@@ -161,26 +224,12 @@ def check_record(line: str, where: str, number: int, form: str | None = None) ->
 def check_readable(source: DataSource) -> None:
     """The whole dataset opens as the ranks will open it (FRESH=1 checks this before it deletes
     anything): every line of a file, or a Hub / torchtitan dataset reachable from here."""
+    if source.kind == "staged":
+        staged.shard_files(Path(source.file), source.dataset, check_sha256=True)
+        return
     if source.kind == "file":
-        path = Path(source.file)
-        check_file(path)
-        where = f"DATASET file {path}"
-        with open(path, "rb") as handle:
-            if FILE_FORMATS[path.suffix] == "text":
-                decoder = codecs.getincrementaldecoder("utf-8")()
-                read = 0
-                try:
-                    for block in iter(lambda: handle.read(1 << 20), b""):
-                        decoder.decode(block)
-                        read += len(block)
-                    decoder.decode(b"", final=True)
-                except UnicodeDecodeError as err:
-                    raise PipelineError(f"{where} is not UTF-8 text (byte {read + err.start}).", "save it as UTF-8.") from err
-                return
-            form = None
-            for number, raw in enumerate(handle, 1):
-                if raw.strip():
-                    form = check_record(raw.decode("utf-8", errors="replace"), where, number, form)
+        check_file(Path(source.file))  # every line, as resolve reads it
+        open_in_rank(source)  # and through the ranks' own loader (datasets), whose cache they then reuse
         return
     hub_id = source.dataset if source.kind == "hub" else api.titan_datasets()[source.dataset]
     if source.kind == "titan" and not HUB_ID.fullmatch(hub_id):
@@ -230,43 +279,46 @@ def count_documents(path: Path, enough: int) -> int:
     return count
 
 
-def _first_lines(handle, head: bytes) -> list[tuple[int, str]]:
-    """The first LINES_CHECKED non-empty complete lines as (number, text), reading past `head` only
-    as far as needed to complete them."""
-    data, at_end = head, False
-    while True:
-        *complete, rest = data.split(b"\n")  # `rest` follows the last newline: partial unless at the end
-        if at_end and rest.strip():
-            complete.append(rest)
-        lines = [(number, line) for number, line in enumerate(complete, 1) if line.strip()]
-        if len(lines) >= LINES_CHECKED or at_end:
-            return [(number, line.decode("utf-8", errors="replace")) for number, line in lines[:LINES_CHECKED]]
-        if len(data) > LINE_BYTES_CHECKED:
-            raise PipelineError(f"DATASET file {handle.name}: its first {LINES_CHECKED} lines take more than "
-                                f"{LINE_BYTES_CHECKED >> 20} MiB; JSON lines hold one document per line.",
-                                "write one JSON object per line, e.g. {\"text\": \"…\"}.")
-        more = handle.read(TEXT_BYTES_CHECKED)
-        at_end = not more
-        data += more
+def titan_dataset_file(name: str, required: bool = True) -> str | None:
+    """Where a torchtitan dataset read from local files (c4_test: tests/assets/…, relative to the working
+    directory in torchtitan's registry) is, found the way torchtitan's test tokenizer is
+    (pipeline.training.titan_assets: the working directory, else the installed torchtitan's source
+    checkout, which the image's torchtitan-neuron is installed from). None for a Hub dataset, and when not
+    `required` (a dry run or a cluster launch: the ranks look for it where they run)."""
+    from pipeline.training import titan_assets
 
-
-def _check_titan_dataset(name: str) -> None:
-    path = api.titan_datasets()[name]
-    # c4_test reads a path relative to the working directory (a torchtitan source checkout's
-    # tests/assets), which the wheel does not ship; the others are Hub datasets.
-    if not HUB_ID.fullmatch(path) and not Path(path).exists():
-        raise PipelineError(f"DATASET={name} reads {path} relative to the working directory (a torchtitan "
-                            f"source checkout), and {Path(path).resolve()} does not exist.",
-                            "run from a torchtitan checkout, or give DATASET=<file>.")
+    relative = api.titan_datasets()[name]
+    if HUB_ID.fullmatch(relative):
+        return None
+    found = titan_assets.find(relative)
+    if found is None and required:
+        raise PipelineError(f"DATASET={name} reads torchtitan's {relative}, found neither in {Path.cwd()} nor in "
+                            "the installed torchtitan's source checkout.",
+                            "install torchtitan from a source checkout (pip install -e, as torchtitan-neuron is), "
+                            "run from one, or give DATASET=<file>.")
+    return str(found) if found is not None else None
 
 
 def register(source: DataSource, name: str | None = None) -> str:
     """In a rank: add a file or Hub dataset to torchtitan's registry (under `name`, default the
     kind's registered name); returns the loader's name."""
-    if source.kind == "titan" or source.format == "chat":  # chat: training.chat's own loader reads the file
+    if source.kind == "titan":
+        # torchtitan reads a local one relative to the working directory: it is given the path found
+        # (the launcher's, or, where the launcher did not look, the rank's own; refused when neither finds it)
+        location = source.file or titan_dataset_file(source.dataset)
+        if location is not None:
+            api.relocate_titan_dataset(source.dataset, location)
         return source.loader_name
-    from pipeline.titan import api
-
+    if source.format in ("chat", "preference"):  # training.chat's / training.preference's own loader reads the file
+        return source.loader_name
+    if source.kind == "staged":  # the staged shards, JSON lines (datasets' json builder reads .json.gz)
+        directory = Path(source.file)
+        # A dry run may come before `make data` (a launch file's staging step runs it first): the set's folder
+        # stands for its shards there; a rank reads only a staged set (open_in_rank checks its record first).
+        files = staged.shard_files(directory, source.dataset) if staged.read_record(directory) else str(directory)
+        api.register_text_dataset(name or source.loader_name, "file", files,
+                                  "json", wrap_loader=lambda loader: _one_line_errors(loader, source))
+        return name or source.loader_name
     if source.kind == "file":
         api.register_text_dataset(name or source.loader_name, "file", source.file,
                                   FILE_FORMATS[Path(source.file).suffix],
@@ -277,17 +329,37 @@ def register(source: DataSource, name: str | None = None) -> str:
     return name or source.loader_name
 
 
+def read_rows(path: Path):
+    """A user's file's records through the ranks' reader (datasets), its errors one line as in the ranks."""
+    from datasets import load_dataset
+
+    builder, extra = ("text", {"sample_by": "paragraph"}) if Path(path).suffix == ".txt" else ("json", {})
+    return _one_line_errors(lambda files: load_dataset(builder, data_files=files, split="train", **extra),
+                            DataSource("file", str(path), str(path)))(str(path))
+
+
 def open_in_rank(source: DataSource) -> None:
     """In a rank, before torchtitan's Trainer is built: open a file dataset as its loader will (the
     datasets cache makes the loader's own open cheap). An error here is the rank's one line; inside
     the Trainer's constructor torchrun's error record would add a traceback per rank."""
-    if source.kind != "file":
+    if source.kind not in ("file", "staged"):
         return
     from datasets import load_dataset
 
-    builder = "json" if FILE_FORMATS[Path(source.file).suffix] == "json" else "text"
+    if source.kind == "staged":
+        files, builder = staged.shard_files(Path(source.file), source.dataset), "json"
+    else:
+        files, builder = source.file, "json" if FILE_FORMATS[Path(source.file).suffix] == "json" else "text"
     extra = {"sample_by": "paragraph"} if builder == "text" else {}
-    _one_line_errors(lambda path: load_dataset(builder, data_files=path, split="train", **extra), source)(source.file)
+    import datasets
+
+    shown = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # a check before the run: its "Generating train split" bars are noise
+    try:
+        _one_line_errors(lambda path: load_dataset(builder, data_files=path, split="train", **extra), source)(files)
+    finally:
+        if shown:
+            datasets.enable_progress_bars()
 
 
 def _one_line_errors(loader, source: DataSource):
@@ -316,11 +388,18 @@ def eval_file(settings, data: DataSource, local_file: Path, check_local: bool = 
         held_copy = Path(data.file).with_suffix(".eval.jsonl") if data.file else None
         if data.file and Path(data.file).parent.name == HUB_COPIES and held_copy.exists():
             return str(held_copy)  # the Hub dataset's eval split, copied beside its training split
-        if data.dataset != CHAT:
+        held_split = Path(data.file).with_name(user_data.HELD_OUT) if data.file else None
+        if data.file and Path(data.file).name == user_data.TRAIN and held_split.is_file():
+            return str(held_split)  # the records `make data` held out of the user's file
+        if data.dataset not in EMBEDDED_SETS:
+            if data.dataset != LOCAL:  # the user's data; the model's own text has no held-out split by design
+                print(f"note: eval_every = {settings.eval_every} but DATASET={data.dataset} has no held-out split: "
+                      f"nothing will be evaluated. Fix: `make data DATASET={data.dataset}` writes one (EVAL_SPLIT=<fraction>), "
+                      "or set eval_dataset = \"<file>\", or eval_every = 0.", file=sys.stderr, flush=True)
             return None
-        held = Path(local_file).with_name(CHAT_EVAL_FILE)
+        held = Path(local_file).with_name(EMBEDDED_SETS[data.dataset][1])
         if check_local and not held.exists():
-            raise PipelineError(f"{held} does not exist (the held-out split of DATASET=chat).",
+            raise PipelineError(f"{held} does not exist (the held-out split of DATASET={data.dataset}).",
                                 "run `make data` again (it writes both), or set eval_every = 0.")
         return str(held)
     path = Path(settings.eval_dataset).expanduser()

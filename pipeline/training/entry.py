@@ -24,7 +24,7 @@ from pipeline.run import diskspace, rundir
 from pipeline.run.spec import RunSpec
 from pipeline.titan import api, patches
 from pipeline.titan.args import apply_titan_args
-from pipeline.training import chat, dataset
+from pipeline.training import chat, dataset, preference
 
 MEMORY_KIND = {"cpu": "peak RSS (CPU)", "cuda": "CUDA reserved", "trn2": "HBM reserved"}
 
@@ -51,16 +51,23 @@ def build_config(spec: RunSpec):
     from torchtitan.config.override import OverrideConfig
 
     from pipeline.models import registry
+    from pipeline.titan import model_spec
     from pipeline.titan.trainer import JsonlMetricsProcessor, PipelineTrainer, WeightsCheckpointManager
 
     s = spec.settings
     run_dir = Path(spec.run_dir)
     source = dataset.DataSource(spec.data_kind, s.dataset, spec.data_file, spec.data_format)
-    model_spec = registry.get(spec.path).build(spec)
-    config = PipelineTrainer.Config(
+    trainer, method = PipelineTrainer, {}
+    if spec.data_format == "preference":  # DPO: its trainer's step and its settings
+        from pipeline.titan.dpo import PreferenceTrainer
+
+        trainer, method = PreferenceTrainer, {"dpo_beta": s.dpo_beta, "dpo_loss": s.dpo_loss}
+    model = model_spec.trainer_fields(registry.get(spec.path).build(spec), trainer.Config)
+    config = trainer.Config(
+        **method,
         run_dir=str(run_dir),
         record_plan=spec.record_plan,
-        model_spec=model_spec,
+        **model,
         hf_assets_path=spec.source_dir,
         tokenizer=_tokenizer(spec),
         dump_folder=str(run_dir),
@@ -119,6 +126,8 @@ def build_config(spec: RunSpec):
 
 
 def _dataloader(source: dataset.DataSource, name: str | None = None):
+    if source.format == "preference":
+        return preference.dataloader_config(source.file)
     if source.format == "chat":
         return chat.dataloader_config(source.file)
     return api.text_dataloader(source, dataset.register(source, name))
@@ -132,6 +141,10 @@ def _validator(spec: RunSpec):
     if not spec.eval_file:
         return Validator.Config()
     held = dataset.DataSource("file", spec.eval_file, spec.eval_file, spec.data_format)
+    if spec.data_format == "preference":
+        from pipeline.titan.dpo import PreferenceValidator
+
+        Validator = PreferenceValidator  # torchtitan's validator, scoring pairs with the DPO loss
     return Validator.Config(enable=True, freq=spec.settings.eval_every, steps=spec.settings.eval_steps,
                             dataloader=_dataloader(held, name=dataset.EVAL_NAME))
 
@@ -210,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
             raise
         problem, fix = diskspace.full_disk_failure(full, Path(spec.run_dir))
         # failure.json is a few bytes, and the rank's stderr (torchrun's --tee log) is on that disk too:
-        # either may fail now; the launcher then names the full disk itself (stages.train._failure).
+        # either may fail now; the launcher then names the full disk itself (pipeline.training.launcher._failure).
         with contextlib.suppress(OSError):
             rundir.RunDir(Path(spec.run_dir)).record_failure(rank, problem, fix)
         with contextlib.suppress(OSError):

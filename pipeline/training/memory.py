@@ -6,14 +6,18 @@ AdamW's two float32 states, all three sharded by FSDP over the data-parallel ran
 path's plan shards them; FSDP's working set (one unit all-gathered in the compute dtype, the next
 prefetched, and one unit's unsharded float32 gradients); activations at the chosen checkpointing,
 sequence length and local batch; the logits and the float32 log-softmax of the loss; where a path's
-MoE experts backward runs block by block (nki), its working set (experts_backward_bytes). Not
-modelled: the runtime's and collectives' own buffers, compiler scratch and allocator fragmentation —
+MoE experts backward runs block by block (nki), its working set (experts_backward_bytes); each layer's
+float32 RoPE cache of seq_len positions where the path's model keeps one (torchtitan's RoPE); on trn2 the
+Neuron runtime's microcode reserve (96 MB per physical core: 192 MB per rank at LNC=2). Not modelled: the
+runtime's scratchpad, DMA rings and collective buffers, compiler scratch and allocator fragmentation —
 hence HEADROOM. tests/training/test_training_memory.py and bench/memory_estimate.py compare it with measured peaks.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from pipeline.dtypes import DTYPES
 from pipeline.checkpoint.arch import Qwen3Arch
@@ -106,7 +110,10 @@ def _layer_activations(arch: Qwen3Arch, settings: TrainSettings, plan: Plan, tp:
     return attention + ffn, matmuls
 
 
-def estimate(arch: Qwen3Arch, settings: TrainSettings, path: str, target: str) -> MemoryEstimate:
+def estimate(arch: Qwen3Arch, settings: TrainSettings, path: str, target: str, dpo: bool = False) -> MemoryEstimate:
+    """`dpo`: a DPO run (preference data, pipeline.titan.dpo): every pair is two rows (chosen, rejected), and full
+    fine-tuning keeps the reference model, a float32 copy of each rank's parameter shards (LoRA's reference is the
+    base with its adapters off: no copy)."""
     tp = settings.tensor_parallel
     dp = settings.world_size // tp
     plan = plan_for(path, settings)
@@ -121,6 +128,8 @@ def estimate(arch: Qwen3Arch, settings: TrainSettings, path: str, target: str) -
         "gradients": 4 * trained,
         "optimizer": 8 * trained,
     }
+    if dpo and not settings.lora_rank:
+        parts["reference model"] = 4 * params_rank
     # FSDP units: each layer, the embedding, the lm_head (tied: one). Gathered in the compute dtype,
     # the next one prefetched; one unit's float32 gradients before the reduce-scatter.
     layer = sum(v / tp if k in plan.tp_sharded else v for k, v in arch.layer_params().items())
@@ -128,7 +137,7 @@ def estimate(arch: Qwen3Arch, settings: TrainSettings, path: str, target: str) -
     ends = arch.vocab_size * arch.hidden_size / vocab_tp
     largest = max(layer, ends)
     parts["fsdp buffers"] = 2 * compute * largest + 4 * largest if dp > 1 else 0.0
-    tokens = settings.local_batch_size * settings.seq_len
+    tokens = settings.local_batch_size * settings.seq_len * (2 if dpo else 1)
     full_layer, matmuls = _layer_activations(arch, settings, plan, tp)
     h_sp = arch.hidden_size / tp if plan.sequence_parallel else arch.hidden_size
     saved = {"none": full_layer, "selective": h_sp + matmuls / 2, "full": h_sp}[settings.activation_checkpoint]
@@ -140,6 +149,11 @@ def estimate(arch: Qwen3Arch, settings: TrainSettings, path: str, target: str) -
     # the float32 log-softmax, and in backward the float32 gradients of both (measured on CPU, fp32:
     # 4 vocab-sized float32 tensors alive at the peak).
     parts["logits"] = tokens * vocab * (compute + 12)
+    if registry.get(path).rope_cache_per_layer:
+        # one cos|sin cache per layer, [seq_len, 2·head_dim] float32, a buffer on every rank (not sharded)
+        parts["rope caches"] = arch.num_hidden_layers * settings.seq_len * 2 * arch.head_dim * 4
+    if target == "trn2":
+        parts["runtime reserve"] = TRN2.runtime_reserve_per_rank(settings.lnc)
     if arch.is_moe and registry.get(path).blockwise_experts_backward(settings):
         tp_e = tp if "experts" in plan.tp_sharded else 1
         parts["experts backward"] = experts_backward_bytes(
@@ -148,7 +162,8 @@ def estimate(arch: Qwen3Arch, settings: TrainSettings, path: str, target: str) -
     notes = [f"TP {tp} × FSDP {dp}; {'SP; ' if plan.sequence_parallel else ''}activation checkpointing "
              f"{settings.activation_checkpoint}; seq_len {settings.seq_len} × local batch {settings.local_batch_size}"
              + (f"; LoRA rank {settings.lora_rank}: gradients and optimizer state for "
-                f"{lora_params(arch, settings):,} adapter parameters" if settings.lora_rank else "")]
+                f"{lora_params(arch, settings):,} adapter parameters" if settings.lora_rank else "")
+             + ("; DPO: 2 rows per pair" + ("" if settings.lora_rank else ", the reference model's weights") if dpo else "")]
     return MemoryEstimate(parts, capacity_per_rank(target, settings.lnc), notes)
 
 
@@ -177,15 +192,16 @@ def plan_candidates(settings: TrainSettings):
             yield replace(settings, tensor_parallel=degree, activation_checkpoint=mode)
 
 
-def fit(arch: Qwen3Arch, settings: TrainSettings, path: str, target: str) -> tuple[TrainSettings, str | None]:
+def fit(arch: Qwen3Arch, settings: TrainSettings, path: str, target: str,
+        dpo: bool = False) -> tuple[TrainSettings, str | None]:
     """The configured settings when their plan fits (or the target's capacity is not estimated against),
     else the first of plan_candidates that fits, with a line saying what was chosen and why; the
     configured settings again when none fits (check() then refuses)."""
-    configured = estimate(arch, settings, path, target)
+    configured = estimate(arch, settings, path, target, dpo)
     if configured.fits:
         return settings, None
     for candidate in plan_candidates(settings):
-        result = estimate(arch, candidate, path, target)
+        result = estimate(arch, candidate, path, target, dpo)
         if result.fits:
             return candidate, (f"the configured plan ({configured.notes[0]}) needs ~{configured.total / GIB:.1f} GiB per "
                                f"rank, over the {configured.usable / GIB:.1f} GiB usable on {target}; the pipeline "
@@ -193,21 +209,21 @@ def fit(arch: Qwen3Arch, settings: TrainSettings, path: str, target: str) -> tup
     return settings, None
 
 
-def _more_nodes(arch: Qwen3Arch, settings: TrainSettings, path: str, target: str) -> str:
+def _more_nodes(arch: Qwen3Arch, settings: TrainSettings, path: str, target: str, dpo: bool = False) -> str:
     """'NNODES=n (…), or ' for the fewest nodes (up to 16× these) on which a candidate plan fits, or ''."""
     for nodes in (settings.nnodes * k for k in (2, 4, 8, 16)):
-        more, _ = fit(arch, replace(settings, nnodes=nodes), path, target)
-        result = estimate(arch, more, path, target)
+        more, _ = fit(arch, replace(settings, nnodes=nodes), path, target, dpo)
+        result = estimate(arch, more, path, target, dpo)
         if result.fits:
             return f"run on NNODES={nodes} (the pipeline then chooses {result.notes[0]}: ~{result.total / GIB:.1f} GiB), or "
     return ""
 
 
-def _smaller_plan(arch: Qwen3Arch, settings: TrainSettings, path: str, target: str) -> str:
-    chosen, _ = fit(arch, settings, path, target)
+def _smaller_plan(arch: Qwen3Arch, settings: TrainSettings, path: str, target: str, dpo: bool = False) -> str:
+    chosen, _ = fit(arch, settings, path, target, dpo)
     if chosen is settings:
         return f", and no smaller TP degree or activation checkpointing mode fits on {settings.nnodes} node(s)"
-    return f"; {estimate(arch, chosen, path, target).notes[0]} would fit"
+    return f"; {estimate(arch, chosen, path, target, dpo).notes[0]} would fit"
 
 
 def lora_params(arch: Qwen3Arch, settings: TrainSettings) -> int:
@@ -223,9 +239,9 @@ def lora_params(arch: Qwen3Arch, settings: TrainSettings) -> int:
     return settings.lora_rank * arch.num_hidden_layers * sum(sizes.get(t, 0) for t in lora.targets(settings))
 
 
-def check(arch: Qwen3Arch, settings: TrainSettings, path: str, target: str) -> MemoryEstimate:
+def check(arch: Qwen3Arch, settings: TrainSettings, path: str, target: str, dpo: bool = False) -> MemoryEstimate:
     """The estimate, or a one-line refusal when it cannot fit the device."""
-    result = estimate(arch, settings, path, target)
+    result = estimate(arch, settings, path, target, dpo)
     if not result.fits:
         largest = max(result.parts, key=result.parts.get)
         other_path = ""
@@ -236,8 +252,8 @@ def check(arch: Qwen3Arch, settings: TrainSettings, path: str, target: str) -> M
         raise PipelineError(
             f"the {path} path needs ~{result.total / GIB:.1f} GiB per rank, more than the {result.usable / GIB:.1f} GiB "
             f"usable of the {result.capacity / GIB:.0f} GiB a rank has on {target} at LNC={settings.lnc} (largest: "
-            f"{largest} {result.parts[largest] / GIB:.1f} GiB; {result.notes[0]}){_smaller_plan(arch, settings, path, target)}.",
-            f"{other_path}{_more_nodes(arch, settings, path, target)}lower SEQ_LEN or local_batch_size, or raise "
+            f"{largest} {result.parts[largest] / GIB:.1f} GiB; {result.notes[0]}){_smaller_plan(arch, settings, path, target, dpo)}.",
+            f"{other_path}{_more_nodes(arch, settings, path, target, dpo)}lower SEQ_LEN or local_batch_size, or raise "
             "tensor_parallel (within a chip).")
     return result
 
@@ -247,3 +263,33 @@ def host_need(spec) -> int:
     process's own); what decides the glibc thresholds (pipeline.run.targets)."""
     per_rank = spec.memory["total_gib"] + (CPU_PROCESS_GIB if spec.target == "cpu" else 0.0)
     return int(per_rank * GIB * spec.settings.nproc_per_node)
+
+
+def host_memory_bytes() -> int:
+    """This host's physical memory, or the memory limit of the cgroup the launcher runs in when smaller
+    (a container's --memory, a Slurm job's allocation): what the ranks of one node share on CPU."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:  # cgroup v2 (docs.kernel.org/admin-guide/cgroup-v2.html: memory.max, "max" when unlimited)
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        return min(physical, int(limit)) if limit.isdigit() else physical
+    except OSError:
+        return physical
+
+
+def check_host(spec, force: bool = False) -> str | None:
+    """CPU: the node's ranks share its memory. A run needing more than the host has is refused before
+    launch (it would be killed by the kernel's out-of-memory killer part way); FORCE=1 launches it,
+    with the warning returned (None when it fits, or off CPU, where check() compared with the device)."""
+    if spec.target != "cpu":
+        return None
+    need, have = host_need(spec), host_memory_bytes()
+    if need <= have:
+        return None
+    problem = (f"{spec.settings.nproc_per_node} rank(s) need about {need / GIB:.1f} GiB on this host (the estimate, "
+               f"{spec.memory['total_gib']:.2f} GiB per rank, plus {CPU_PROCESS_GIB} GiB for each process) and it has "
+               f"{have / GIB:.1f} GiB")
+    if force:
+        return f"warning: {problem}; launching anyway (FORCE=1): the kernel may kill a rank."
+    raise PipelineError(f"{problem}: the kernel would kill a rank part way.",
+                        "lower NPROC (NPROC=1 needs least), SEQ_LEN or local_batch_size, set activation_checkpoint = "
+                        "\"full\" in CONFIG, or pass FORCE=1 to launch anyway.")

@@ -32,13 +32,13 @@ HOST_TARGET = "cpu"  # where it is rehearsed, and the plain run it is compared w
 STEPS = 2  # step 1 is compared with the plain run; step 2 shows the sharded optimizer step worked
 # The workload: which batches, how many steps, when to save. Taken from the plain CPU run so the
 # rehearsal's step-1 batch is the plain run's (same data, batch size, sequence length and order).
-WORKLOAD = ("dataset", "seq_len", "local_batch_size", "seed", "steps", "checkpoint_interval", "keep_latest_k")
+WORKLOAD = settings_mod.named("workload")  # their fields say `workload` (pipeline.run.settings)
 # trn2 values a CPU cannot run → what runs instead, and why. Only applied where trn2.toml asks for them.
 CPU_SUBSTITUTES = {
     "compile_backend": {
         "neuron": ("aot_eager", "the neuron backend lowers to neuronx-cc and runs only on Trainium; aot_eager runs "
-                   "the same Dynamo + AOTAutograd front end on CPU (shared/notes/neuron.md: Dynamo → AOTAutograd "
-                   "→ StableHLO → neuronx-cc)"),
+                   "the same Dynamo + AOTAutograd front end on CPU (neuron:torch/compile/about-torch-compile.html: "
+                   "Dynamo → AOTAutograd → StableHLO → neuronx-cc; docs/sources.md)"),
     },
 }
 

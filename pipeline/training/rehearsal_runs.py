@@ -44,6 +44,7 @@ from pipeline.run.rundir import RunDir
 from pipeline.run.spec import RunSpec
 from pipeline.training import cluster
 from pipeline.training.rehearsal import HOST_TARGET
+from pipeline.training.resolve import RunRequest
 
 
 LOSS_TOLERANCE = 2e-2  # |rehearsed − plain| step-1 loss (bf16 plan vs fp32 run); see the module docstring
@@ -167,10 +168,10 @@ def run_nodes(commands: list[tuple[str, dict]], out: Path, timeout: float = 1800
 def _render(model: str, steps: int, nodes: int, scheduler: str, out: Path) -> tuple[Path, dict]:
     run_dir = out / "run"
     request = cluster.LaunchRequest(
-        scheduler=scheduler, nodes=nodes, model=model, target=HOST_TARGET, runtime="venv",
-        venv=str(Path(sys.executable).parent.parent),
+        run=RunRequest(model=model, path="native", target=HOST_TARGET, flags={"steps": steps, "nproc_per_node": 1}),
+        scheduler=scheduler, nodes=nodes, runtime="venv", venv=str(Path(sys.executable).parent.parent),
         cluster_checkpoints=str(store.checkpoints_root().resolve()), output=out / "files", run_dir=str(run_dir),
-        local_image_ok=True, flags={"steps": steps, "nproc_per_node": 1})
+        local_image_ok=True)
     plan = cluster.plan(request)
     return run_dir, cluster.write(plan, cluster.render(plan))
 

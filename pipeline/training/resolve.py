@@ -14,10 +14,12 @@ from pathlib import Path
 from pipeline.checkpoint import hf_dir
 from pipeline.checkpoint.arch import Qwen3Arch, arch_from_config
 from pipeline.errors import PipelineError
+from pipeline import flags
 from pipeline.flags import flag
 from pipeline.models import registry
 from pipeline.run import settings as settings_mod
 from pipeline.run import store, targets
+from pipeline.run.ref import RunRef
 from pipeline.run.settings import TrainSettings
 from pipeline.run.spec import RunSpec
 from pipeline.training import dataset
@@ -28,26 +30,31 @@ HUB_CONFIGS = store.HUB_CONFIGS
 
 
 @dataclass(frozen=True)
-class RunRequest:
-    """What a user asks for; None means "not given" (configs decide). Fields with help are the `train`
-    stage's flags (pipeline.flags), TrainSettings' flag fields come in `flags`."""
+class RunRequest(RunRef):
+    """What a user asks for: the run's address (RunRef: model, path, name) and how to run it; None means
+    "not given" (configs decide). Fields with help are the `train` stage's flags (pipeline.flags),
+    TrainSettings' flag fields come in `flags`."""
 
-    model: str = flag(None, "Hub id, local HF directory, or tiny / tiny-moe", required=True)
-    path: str = flag(None, "training path", required=True)
-    target: str | None = flag(None, "cpu, cuda or trn2 (detected when unset)")
+    target: str | None = flag(None, "cpu, cuda or trn2 (train: detected when unset; launch: trn2)")
     config: Path | None = flag(None, "your config file, layered over configs/<target>.toml key by key")
     revision: str | None = flag(None, "the Hub revision the run must start from (as downloaded)")
     titan_args: tuple[str, ...] = flag((), "torchtitan flags applied over the built config, e.g. "
                                        "--titan-args='--training.steps 5 --lr-scheduler.warmup-steps 1' ('--help' lists "
                                        "them)", words=True)
-    dry_run: bool = flag(False, "resolve and print the run and its torchrun command; launch nothing")
+    dry_run: bool = flag(False, "resolve and print the run (train: and its torchrun command; launch: and its files); "
+                         "launch and write nothing")
     fresh: bool = flag(False, "discard this run (checkpoints, metrics, export, verify.json) and start it again")
-    name: str | None = flag(None, "the run's name, its folder runs/<name> (default: the path's name); a re-run "
-                            "continues it only with the same settings")
+    force: bool = flag(False, "launch on CPU even when the ranks' memory estimate is more than this host has "
+                              "(a warning instead of the refusal)")
     flags: dict = field(default_factory=dict)  # TrainSettings fields given on the command line (STEPS=…)
     checkpoints_root: Path | None = None  # where the nodes see checkpoints/ (launch); default this host's
     settings: TrainSettings | None = None  # given whole (rehearse): no config file is read, flags still apply
-    run_dir: Path | None = None  # default: the model's runs/<name>
+    directory: Path | None = None  # the run's folder when not runs/<name> (rehearse; launch --run-dir)
+
+    @classmethod
+    def from_args(cls, args) -> RunRequest:
+        """The request a stage's parsed flags (add_flags of RunRequest and of TrainSettings) ask for."""
+        return cls(**flags.values(cls, args), flags=flags.values(TrainSettings, args, given_only=True))
 
 
 def resolve(request: RunRequest) -> RunSpec:
@@ -62,13 +69,14 @@ def resolve(request: RunRequest) -> RunSpec:
     else:
         source_dir = home.source_dir(request.revision)
         arch = hf_dir.validate(source_dir).arch
-    data = dataset.resolve(cfg.dataset, home.data_file, check_local=not request.dry_run, model=request.model)
+    data = dataset.resolve(cfg.dataset, home.data_file, check_local=not request.dry_run, model=request.model,
+                           root=home.root)
     eval_file = dataset.eval_file(cfg, data, home.data_file, check_local=not request.dry_run)
     if not request.dry_run:
         titan_assets.tokenizer_dir(cfg.tokenizer, str(source_dir))  # found before any rank starts
     spec = RunSpec(
         model=request.model, model_key=home.source.key, path=path.name, target=target.name,
-        source_dir=str(source_dir), run_dir=str(request.run_dir or home.run(request.name or path.name).path), arch=arch, settings=cfg,
+        source_dir=str(source_dir), run_dir=str(request.directory or request.run_dir(home.root).path), arch=arch, settings=cfg,
         data_kind=data.kind, data_file=data.file, data_format=data.format, eval_file=eval_file,
         peak_flops_per_rank=target.peak_flops_per_rank(cfg.lnc),
         overrides=list(path.overrides(target.name, cfg)), titan_args=list(request.titan_args),
@@ -78,15 +86,20 @@ def resolve(request: RunRequest) -> RunSpec:
     check_parallelism(spec)
     check_positions(spec)
     dataset.check_documents(data, cfg.world_size // cfg.tensor_parallel)
+    if spec.eval_file:  # the validator splits the held-out file between the same ranks
+        dataset.check_documents(dataset.DataSource("file", spec.eval_file, spec.eval_file, data.format),
+                                cfg.world_size // cfg.tensor_parallel)
     check_device_choices(spec)
     check_wandb(spec)
     check_lora(spec)
-    spec.settings, chosen = memory.fit(spec.arch, spec.settings, spec.path, spec.target)
+    check_preference(spec)
+    dpo = spec.data_format == "preference"
+    spec.settings, chosen = memory.fit(spec.arch, spec.settings, spec.path, spec.target, dpo)
     if chosen:  # a plan that fits instead of the configured one, said where the dry run shows it
         print(f"note: {chosen}", file=sys.stderr, flush=True)
     if path.prepare is not None:
         path.prepare(spec, request.dry_run)  # the path's own rules (kernel constraints) first: they name the fix
-    spec.memory = memory.check(spec.arch, spec.settings, spec.path, spec.target).to_dict()
+    spec.memory = memory.check(spec.arch, spec.settings, spec.path, spec.target, dpo).to_dict()
     return spec
 
 
@@ -148,6 +161,28 @@ def check_lora(spec: RunSpec) -> None:
         raise PipelineError(f"LoRA (lora_rank > 0) runs on the {' and '.join(able)} paths (torchtitan's LoRA converter "
                             f"works on torchtitan's model configs); the {spec.path} path trains transformers' own "
                             "modules.", f"use `make train-{able[0]}`, or lora_rank = 0.")
+
+
+def check_preference(spec: RunSpec) -> None:
+    """DPO (preference data): every pair well-formed, β > 0, and the torchtitan API its loader and step are written for (0.3.0's: a
+    batch of [rows, seq_len]; main folds the batch into one packed row, #4121)."""
+    if spec.data_format != "preference":
+        return
+    s = spec.settings
+    for file in (spec.data_file, spec.eval_file):  # every pair, before any rank starts (an equal pair is refused)
+        if file and Path(file).is_file():
+            dataset.check_readable(dataset.DataSource("file", file, file, "preference"))
+    if s.dpo_beta <= 0:
+        raise PipelineError(f"dpo_beta = {s.dpo_beta}: DPO's β must be > 0.", "set dpo_beta > 0 (TRL's default: 0.1).")
+    if s.tensor_parallel > 1:  # its sequence log-probabilities read whole-vocabulary logits on each rank
+        raise PipelineError(f"DPO runs with tensor_parallel = 1 only (this run: {s.tensor_parallel}).",
+                            "set tensor_parallel = 1 (FSDP shards the model across the ranks instead).")
+    try:
+        from pipeline.training.preference import check_api
+
+        check_api()
+    except ModuleNotFoundError:  # a launcher without torchtitan (the ranks run in the image): each rank checks it
+        return
 
 
 def check_wandb(spec: RunSpec) -> None:

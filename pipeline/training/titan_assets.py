@@ -1,13 +1,13 @@
-"""torchtitan's test tokenizer (tests/assets/tokenizer), which AWS's torchtitan-neuron smoke run
-trains with (/work/shared/notes/neuron.md: config qwen3_8b_tp4_fsdp16_sac with torchtitan's test
-tokenizer and c4_test from the repository).
+"""torchtitan's test assets (tests/assets/tokenizer and c4_test), which AWS's torchtitan-neuron smoke
+run trains with (awsdocs-neuron setup-torchtitan-neuron: config qwen3_8b_tp4_fsdp16_sac with
+torchtitan's test tokenizer and c4_test from the repository).
 
 torchtitan reads it relative to the working directory (Trainer.Config's default hf_assets_path
 "./tests/assets/tokenizer"). The wheel does not ship it; a source checkout does, and
-torchtitan-neuron is installed from one (`pip install -e .` in its clone, neuron.md), so the
+torchtitan-neuron is installed from one (`pip install -e .` in its clone, docs/sources.md), so the
 installed package's checkout is looked in too, after the working directory, and the rank is given
-the absolute path. Found without importing torchtitan (the launcher never imports it).
-(`c4_test` is still read relative to the rank's working directory: pipeline/training/dataset.py.)
+the absolute path. Found without importing torchtitan (the launcher never imports it). `c4_test`
+(tests/assets/c4_test) is found the same way (pipeline.training.dataset.titan_dataset_file).
 """
 
 from __future__ import annotations

@@ -5,12 +5,16 @@ directory all read the pipeline's settings. A torchtitan flag that changes one o
 settings' back (`--parallelism.tensor_parallel_degree 1`) would train one plan while the dry run
 prints and checks another. So the flags are parsed over the config the ranks would build, and every
 field below that they change is either folded into the settings (then checked like STEPS= or a
-CONFIG value) or refused in one line naming the pipeline's own way to set it. Fields not listed
-(warmup, logging, the optimizer's kwargs, …) are torchtitan's to tune and pass through as they are.
+CONFIG value) or refused in one line naming the pipeline's own way to set it. Every path option of the
+installed torchtitan's config (a string field named …folder, …path, …dir, …file: path_fields, read
+from its dataclasses, not listed by hand) is refused too: the run's files (metrics.jsonl, the first
+batch, TensorBoard, traces) stay in its run directory, where export and verify read them. Fields not
+listed (warmup, logging, the optimizer's kwargs, …) are torchtitan's to tune and pass through as they are.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, replace
 
 from pipeline.errors import PipelineError
@@ -41,27 +45,17 @@ def owned() -> tuple:
     return (*FOLDED, *(r for r in REFUSED if api.variant() in r.apis))
 
 
-# Fields the two torchtitan APIs name differently (pipeline.titan.api names them): the sequence length
-# (training.seq_len / training.max_context_length) and the per-rank batch (training.local_batch_size
-# sequences / training.num_tokens_per_microbatch_per_dp_rank tokens).
-CONTEXT = "training.<context>"
-BATCH = "training.<batch>"
+# The sequence length and the per-rank batch, which the two torchtitan APIs name differently.
+CONTEXT, BATCH = settings_mod.TITAN_CONTEXT, settings_mod.TITAN_BATCH
 
-FOLDED = (
-    Folded("training.steps", "steps", "STEPS="),
-    Folded(CONTEXT, "seq_len", "SEQ_LEN="),
-    Folded(BATCH, "local_batch_size", "local_batch_size in CONFIG"),
-    Folded("training.mixed_precision_param", "dtype", "dtype in CONFIG"),
-    Folded("training.max_norm", "max_norm", "max_norm in CONFIG"),
-    Folded("parallelism.tensor_parallel_degree", "tensor_parallel", "tensor_parallel in CONFIG"),
-    Folded("parallelism.data_parallel_shard_degree", "data_parallel_shard", "data_parallel_shard in CONFIG"),
-    Folded("parallelism.enable_sequence_parallel", "sequence_parallel", "sequence_parallel in CONFIG"),
-    Folded("checkpoint.interval", "checkpoint_interval", "checkpoint_interval in CONFIG"),
-    Folded("checkpoint.keep_latest_k", "keep_latest_k", "keep_latest_k in CONFIG"),
-    Folded("compile.enable", "compile", "compile in CONFIG"),
-    Folded("compile.backend", "compile_backend", "compile_backend in CONFIG"),
-    Folded("debug.seed", "seed", "seed in CONFIG"),
-)
+
+def _how(name: str) -> str:
+    facts = settings_mod.facts(name)
+    return f"{facts['make']}=" if "make" in facts else f"{name} in CONFIG"
+
+
+# Every setting whose field names the torchtitan field it sets (pipeline.run.settings: `titan`).
+FOLDED = tuple(Folded(settings_mod.facts(name)["titan"], name, _how(name)) for name in settings_mod.named("titan"))
 
 _RUN_DIR = "the pipeline keeps a run's checkpoints, metrics and logs in its run directory, which export and verify read"
 _PLAN = "the pipeline plans, checks and estimates TP × FSDP only"
@@ -119,6 +113,34 @@ def changed_fields(base, parsed) -> dict[str, tuple[object, object]]:
     return out
 
 
+PATH_WORDS = {"folder", "path", "dir", "directory", "file"}  # a word of a field's name that makes it a path option
+
+
+def path_fields(config, prefix: str = "") -> list[str]:
+    """The dotted names of every path option of a built Trainer.Config: a string (or unset optional
+    string) field one of whose name's words is a PATH_WORDS, in any nested config dataclass."""
+    found = []
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name, None)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            found += path_fields(value, f"{prefix}{field.name}.")
+        elif (isinstance(value, str) or (value is None and "str" in str(field.type))) \
+                and PATH_WORDS & set(field.name.lower().split("_")):
+            found.append(prefix + field.name)
+    return found
+
+
+def _refuse_moved_paths(spec: RunSpec, base, parsed) -> None:
+    for dotted in path_fields(base):
+        before, after = _get(base, dotted), _get(parsed, dotted)
+        if before != after:
+            raise PipelineError(f"TITAN_ARGS {_flag(dotted, after)}: a path option; the run keeps its files ({dotted} "
+                                f"{before!r}) in its run directory {spec.run_dir}, where export, verify and a resume "
+                                "read them.",
+                                "drop the flag: RUN_NAME= names the run's directory, PIPELINE_CHECKPOINTS= the root it "
+                                "lies in.")
+
+
 def fold(spec: RunSpec) -> TrainSettings:
     """The settings with TITAN_ARGS' changes to pipeline-owned fields folded in; a PipelineError for a
     field the pipeline owns without a setting, or for a folded value its settings refuse."""
@@ -131,6 +153,7 @@ def fold(spec: RunSpec) -> TrainSettings:
         dotted = _path(base, refused.field)
         if dotted in changes:
             raise PipelineError(f"TITAN_ARGS {_flag(dotted, changes[dotted][1])}: {refused.why}.", refused.fix)
+    _refuse_moved_paths(spec, base, parsed)  # after REFUSED: a path it names is refused with its own fix
     folded = {}
     for owned in FOLDED:
         dotted = _path(base, owned.field)

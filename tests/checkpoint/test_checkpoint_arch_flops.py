@@ -19,7 +19,7 @@ CONFIGS = {name: EMBEDDED[name].config for name in ("tiny", "tiny-moe")}
 def _native_count(arch, seq_len):
     from pipeline.models import native
 
-    config = native.model_config(arch)
+    config = native.model_config(arch, max_context_length=seq_len)
     with torch.device("meta"):
         model = config.build()
     return config.get_nparams_and_flops(model, seq_len)

@@ -27,7 +27,7 @@ class Request:
 
 
 def parse(argv: list[str], **kw) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(allow_abbrev=False)
     flags.add_flags(parser, Request, **kw)
     return parser.parse_args(argv)
 
@@ -61,16 +61,17 @@ def test_a_settings_field_with_help_is_a_flag_of_train_and_launch():
     """TrainSettings' flag fields reach both stages' command lines, under their own names."""
     from pipeline.run.settings import TrainSettings
     from pipeline.stages import launch, train
+    from pipeline.training.resolve import RunRequest
 
     settings_flags = {"--" + f.name.replace("_", "-") for f in flags.flag_fields(TrainSettings)}
     assert {"--steps", "--seq-len", "--nproc-per-node", "--dataset"} <= settings_flags
     for stage in (train, launch):
-        parser = argparse.ArgumentParser()
+        parser = argparse.ArgumentParser(allow_abbrev=False)
         stage.add_arguments(parser)
         assert settings_flags <= set(parser._option_string_actions), stage.__name__
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(allow_abbrev=False)
     train.add_arguments(parser)
-    request = train.request(parser.parse_args(["--model", "tiny", "--path", "native", "--steps", "3"]))
+    request = RunRequest.from_args(parser.parse_args(["--model", "tiny", "--path", "native", "--steps", "3"]))
     assert request.flags == {"steps": 3} and request.model == "tiny" and request.titan_args == ()
 
 

@@ -269,6 +269,7 @@ def test_a_save_records_its_metadata_digest_and_resume_accepts_it(tmp_path):
     import hashlib
 
     from pipeline.errors import PipelineError
+    from pipeline.run import digest_key
     from pipeline.run.rundir import RunDir
 
     run = RunDir(tmp_path / "run")
@@ -277,7 +278,8 @@ def test_a_save_records_its_metadata_digest_and_resume_accepts_it(tmp_path):
         (run.step_dir(step) / ".metadata").write_bytes(b"dcp metadata of step %d" % step)
         run.record_dcp_digest(step)
     recorded = json.loads(run.dcp_digests.read_text())
-    assert recorded["4"] == hashlib.sha256(b"dcp metadata of step 4").hexdigest() and set(recorded) == {"2", "4"}
+    assert recorded["4"] == digest_key.digest(b"dcp metadata of step 4", "dcp-metadata step-4", run.path) and set(recorded) == {"2", "4"}
+    assert recorded["4"] != hashlib.sha256(b"dcp metadata of step 4").hexdigest()  # keyed: not what anyone can compute
     run.check_resume()
     (run.step_dir(4) / ".metadata").write_bytes(b"something else")
     with pytest.raises(PipelineError, match="differs from the digest"):

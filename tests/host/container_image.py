@@ -1,5 +1,5 @@
 """The container tests' image, made here so that `.ci/run` can also build it in the background while
-the tests before the container tests run (`python tests/host/container_image.py`): the tests' own build
+the tests before the container tests run (`python -m tests.host.container_image`): the tests' own build
 then waits for that one (a file lock) and finds every layer and the wheelhouse cached.
 
 No registry is reachable here, so the base is a Debian bookworm (Python 3.11, like the CPU wheels, plus
@@ -25,11 +25,11 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+from pipeline import envvars
+from pipeline.host import image as image_stage
+from pipeline.run.image import IMAGE_REPO, default_tag, lock_sha256
 
-from pipeline.host import image as image_stage  # noqa: E402 - the repository is on the path first
-from pipeline.run.image import default_tag, lock_sha256  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 # torchtitan compiles its flex-attention block mask with torch.compile even when the model runs
 # eagerly, so inductor needs a C++ compiler and Python headers in the image, as on the host.
@@ -40,7 +40,7 @@ NOT_IN_CPU_IMAGE = re.compile(r"^(pytest==|iniconfig==|pluggy==)", re.I)
 PIP_MOUNTS = tuple(p for p in ("/opt/pypi", "/opt/pypi-more", "/opt/wheels", "/etc/ssl/certs") if Path(p).is_dir())
 PIP_ENV = {"PIP_EXTRA_INDEX_URL": "file:///opt/pypi/simple file:///opt/pypi-more/simple", "PIP_FIND_LINKS": "/opt/wheels",
            "PIP_CERT": "/etc/ssl/certs/ca-certificates.crt", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
-MEASURE = Path(os.environ.get("PIPELINE_MEASURE_DIR", "/tmp")) / "container-measurements.json"
+MEASURE = Path(os.environ.get(envvars.MEASURE_DIR, "/tmp")) / "container-measurements.json"
 WHEELHOUSES = Path("/tmp/pipeline-wheelhouse")  # keyed by the lock's hash and kept between sessions: the slow part
 LOCK_WAIT_S = 2700  # a build holding the lock longer than CI's budget for it is stuck
 
@@ -90,11 +90,38 @@ def cpu_lock(workdir: Path) -> Path:
     return lock
 
 
+def prune_stale(engine, spec: image_stage.BuildSpec) -> list[str]:
+    """Free what builds for other locks left: their wheelhouses (3.1 GB each), test images (6.3 GiB each) and,
+    when this lock's image is not built yet, the untagged layers of earlier builds (the two-stage build's
+    install stages, interrupted builds) and stopped containers. CI machines keep /tmp (and this engine's data-root in it) between runs, so without this every lock
+    change left ~10 GB behind until a run found its disk full. Returns what it removed."""
+    import docker
+
+    removed = [str(old) for old in WHEELHOUSES.iterdir() if old.is_dir() and old != spec.wheelhouse]
+    for old in removed:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in engine.images.list(name=IMAGE_REPO):
+        for tag in stale.tags:
+            if tag.split(":", 1)[0] == IMAGE_REPO and tag != spec.tag:
+                engine.images.remove(tag, force=True)
+                removed.append(tag)
+    try:
+        engine.images.get(spec.tag)
+    except docker.errors.ImageNotFound:
+        engine.containers.prune()
+        pruned = engine.images.prune(filters={"dangling": True}).get("ImagesDeleted") or []
+        removed += [f"{len(pruned)} untagged image layer(s)"] if pruned else []
+    return removed
+
+
 def build(engine, base: str, lock: Path) -> dict:
     spec = image_stage.BuildSpec(base_image=base, lock=lock, tag=default_tag(lock),
                                  wheelhouse=WHEELHOUSES / lock_sha256(lock)[:12], pip_mounts=PIP_MOUNTS)
     os.environ.update(PIP_ENV)
     with build_lock():
+        removed = prune_stale(engine, spec)
+        if removed:
+            print(f"freed what earlier builds left: {', '.join(removed)}", flush=True)
         built = image_stage.build(spec, engine)
     MEASURE.write_text(json.dumps({"build_seconds": built["seconds"], "image_bytes": built["size_bytes"],
                                    "tag": built["tag"]}, indent=2))

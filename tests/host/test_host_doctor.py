@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
+import pytest
 
 from pipeline.errors import PipelineError
 from pipeline.host import doctor
@@ -66,3 +68,16 @@ def test_cli_table_and_status(tmp_path):
     trn2 = run_pipeline("doctor", "--target", "trn2", root=tmp_path, check=False)
     if not Path("/dev/neuron0").exists():
         assert trn2.returncode == 2 and "check(s) failed for target trn2" in trn2.stderr
+
+
+def test_the_failure_count_equals_the_fail_rows_it_names(monkeypatch, capsys):
+    rows = [doctor.Check(f"check {i}", "needed", "found", "FAIL" if i % 2 else "ok") for i in range(18)]
+    monkeypatch.setattr(doctor_stage, "checks", lambda *a, **k: rows)
+    args = argparse.Namespace(target="cpu", lock=Path("requirements-dev.lock"), all_packages=False)
+    with pytest.raises(PipelineError) as err:
+        doctor_stage.run(args)
+    table = capsys.readouterr().out
+    fail_rows = [line.split("  ")[0] for line in table.splitlines() if line.rstrip().endswith("FAIL")]
+    count, names = re.match(r"(\d+) check\(s\) failed for target cpu: (.*)\.$", err.value.problem).groups()
+    assert int(count) == len(fail_rows) == len(names.split(", ")) == 9
+    assert names.split(", ") == fail_rows

@@ -129,7 +129,7 @@ def test_the_image_is_checked_against_the_lock_it_was_built_from(tmp_path):
 
 def test_image_with_another_torchtitan_fails(tmp_path, monkeypatch):
     record, lock = _image_record(tmp_path)
-    gone = internals.Internal("torchtitan.models.qwen3", "_no_such_builder", "test")
+    gone = internals.TitanName("torchtitan.models.qwen3", "_no_such_builder", "test")
     monkeypatch.setattr(internals, "internals_for", lambda target: internals.TORCHTITAN_INTERNALS + (gone,))
     rows = {r.name: r for r in doctor.inside_image_rows("trn2", record=record, lock=lock)}
     assert rows["torchtitan internals"].status == "FAIL" and "_no_such_builder" in rows["torchtitan internals"].found

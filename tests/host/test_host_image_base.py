@@ -203,6 +203,12 @@ def test_containers_run_with_the_devices_group(tmp_path, monkeypatch):
                                  compile_cache=tmp_path / "cc", devices=["/dev/neuron0"], group_add=[4242])
     assert image.run_in_image(request, engine) == 0
     assert created["group_add"] == ["4242"] and created["devices"] == ["/dev/neuron0:/dev/neuron0:rwm"]
+    # the host user's DCP digest key, so a run saved in a container resumes in the next one
+    key = image.digest_key.key_path()
+    folder = key.parent if os.geteuid() != 0 else key.parent / "image-user"  # root's container runs as the image's user
+    assert created["volumes"][str(folder)] == {"bind": image.DIGEST_KEY_MOUNT, "mode": "rw"}
+    assert folder.stat().st_uid == (os.geteuid() or image.IMAGE.uid) and folder.stat().st_mode & 0o077 == 0
+    assert created["environment"]["PIPELINE_DIGEST_KEY"] == f"{image.DIGEST_KEY_MOUNT}/{key.name}"
     created.clear()
     assert image.run_in_image(dataclasses.replace(request, devices=[], group_add=[]), engine) == 0
     assert "group_add" not in created
@@ -244,9 +250,36 @@ def test_build_spec_tags_and_keys_by_lock_and_base(tmp_path):
 
 
 def test_dockerfile_default_base_is_the_codes():
+    """The Dockerfile's ARG default (a plain `docker build`) is configs/base-image.toml's reference; `make image`
+    passes the code's default, that reference pinned by its digest once `make pin` recorded one."""
     import re
+    import tomllib
 
     from pipeline.run.image import DEFAULT_BASE_IMAGE
 
     (default,) = re.findall(r"^ARG BASE_IMAGE=(\S+)$", (REPO / "Dockerfile").read_text(), re.M)
-    assert default == DEFAULT_BASE_IMAGE == image.DEFAULT_BASE_IMAGE
+    pin = tomllib.loads((REPO / "configs" / "base-image.toml").read_text())
+    assert default == pin["reference"]
+    assert DEFAULT_BASE_IMAGE == image.DEFAULT_BASE_IMAGE == (f"{default}@{pin['digest']}" if pin["digest"] else default)
+
+
+def test_the_wheels_are_served_not_sent_and_on_a_port_fixed_per_wheelhouse(tmp_path):
+    import urllib.request
+
+    wheelhouse = tmp_path / "wh"
+    wheelhouse.mkdir()
+    (wheelhouse / "torch-2.14.1-py3-none-any.whl").write_bytes(b"wheel bytes")
+    for name in image.WHEELHOUSE_RECORDS:
+        (wheelhouse / name).write_text(name)
+    spec = image.BuildSpec(base_image="b", lock=tmp_path / "lock", tag="t", wheelhouse=wheelhouse)
+    sent = [name for _, name in image.context_files(spec) if name.startswith("wheels/")]
+    assert sent == [f"wheels/{name}" for name in image.WHEELHOUSE_RECORDS], "a wheel went into the build context"
+    # The install step's cache key holds WHEELS_URL: the same wheelhouse must get the same URL every build.
+    assert image.wheel_port(wheelhouse) == image.wheel_port(tmp_path / "wh" / ".") != image.wheel_port(tmp_path)
+    with image.served_wheels(wheelhouse) as url:
+        assert url == f"http://127.0.0.1:{image.wheel_port(wheelhouse)}/"
+        listing = urllib.request.urlopen(url, timeout=10).read().decode()
+        assert 'href="torch-2.14.1-py3-none-any.whl"' in listing  # what pip's --find-links reads
+        assert urllib.request.urlopen(url + "torch-2.14.1-py3-none-any.whl", timeout=10).read() == b"wheel bytes"
+    with pytest.raises(OSError):
+        urllib.request.urlopen(url, timeout=5)

@@ -78,7 +78,7 @@ def _tiny_loss(attention_backend: str):
     arch = arch_from_config(EMBEDDED["tiny"].config)
     settings = settings_mod.TrainSettings(attention_backend=attention_backend)
     imports = list(registry.get("native").overrides("cpu", settings))
-    root = _Root(model=native.model_config(arch, attention_backends.titan_backend(attention_backend)))
+    root = _Root(model=native.model_config(arch, attention_backends.titan_backend(attention_backend), max_context_length=32))
     apply_overrides(OverrideConfig(imports=imports), root)
     torch.manual_seed(0)
     model = root.model.build()
@@ -104,7 +104,7 @@ def test_trn2_attention_compiles_nothing_and_matches_flex():
 
 
 def test_backend_choices_agree():
-    assert tuple(attention_backends.BACKENDS) == settings_mod.CHOICES["attention_backend"]
+    assert tuple(attention_backends.BACKENDS) == settings_mod.facts("attention_backend")["choices"]
 
 
 def test_trn2_toml_choices_and_their_reasons():
@@ -123,7 +123,7 @@ def _dry_run(model, path, tmp_path, monkeypatch, config_text=None):
     if config_text:
         config = tmp_path / "user.toml"
         config.write_text(config_text)
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(allow_abbrev=False)
     train.add_arguments(parser)
     argv = ["--model", model, "--path", path, "--target", "trn2", "--dry-run"] + (["--config", str(config)] if config else [])
     return train.run(parser.parse_args(argv))

@@ -14,6 +14,7 @@ from pipeline.models.cpu_overrides import LoopExperts
 from pipeline.models.nki import ops
 from pipeline.models.nki.modules import NkiExperts, NkiRoPE, NkiRouter
 from pipeline.titan import api
+from pipeline.titan.model_spec import rope_config
 from titan_batch import fold
 
 
@@ -29,7 +30,7 @@ def packed_positions(batch: int, seq: int, gen: torch.Generator) -> torch.Tensor
 
 def rope_pair(seq=256, dim=128):
     kw = dict(dim=dim, max_len=2 * seq, theta=1e6)
-    return CosSinRoPE(api.rope_config(CosSinRoPE, **kw)), NkiRoPE(api.rope_config(NkiRoPE, **kw, use_nki=False))
+    return CosSinRoPE(rope_config(CosSinRoPE, **kw)), NkiRoPE(rope_config(NkiRoPE, **kw, use_nki=False))
 
 
 @pytest.mark.parametrize("with_positions", [True, False], ids=["packed positions", "no positions"])

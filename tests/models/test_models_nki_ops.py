@@ -229,7 +229,7 @@ def test_op_counts_skip_fake_tracing():
 def test_rope_hf_kernel_matches_reference_in_simulator(monkeypatch):
     import nki
 
-    from pipeline.models.nki import neuron_kernels
+    from pipeline.models.nki.neuron_kernels import rope as neuron_kernels
 
     q, k, cache = rope_inputs(seq=256, dim=128, per_batch=False)
     q, k = q.detach(), k.detach()
@@ -243,7 +243,7 @@ def test_rope_hf_kernel_matches_reference_in_simulator(monkeypatch):
 def test_router_topk_kernel_matches_reference_in_simulator():
     import nki
 
-    from pipeline.models.nki import neuron_kernels
+    from pipeline.models.nki.neuron_kernels import router as neuron_kernels
 
     x, w = (t.detach() for t in router_inputs(tokens=256))
     x, w = torch.nn.functional.pad(x, (0, 112)), torch.nn.functional.pad(w, (0, 112))  # H a multiple of 128
@@ -257,7 +257,7 @@ def test_router_topk_kernel_matches_reference_in_simulator():
 def test_moe_cte_matches_reference_in_simulator():
     import nki
 
-    from pipeline.models.nki import neuron_kernels
+    from pipeline.models.nki.neuron_kernels import moe as neuron_kernels
 
     gen = torch.Generator().manual_seed(5)
     counts = torch.tensor([300, 0, 1, 100, 7, 60, 0, 44])  # 512 rows over 8 experts, two empty

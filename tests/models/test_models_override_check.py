@@ -8,13 +8,14 @@ from pipeline.checkpoint.embedded import EMBEDDED
 from pipeline.errors import PipelineError
 from pipeline.models import override_check
 from pipeline.models.native import model_config
+from pipeline.titan import model_spec
 
 NKI = "pipeline.models.nki.overrides"
 
 
 @pytest.fixture(scope="module")
 def moe_config():
-    return model_config(arch_from_config(EMBEDDED["tiny-moe"].config, "tiny-moe"))
+    return model_config(arch_from_config(EMBEDDED["tiny-moe"].config, "tiny-moe"), max_context_length=128)
 
 
 def test_match_counts_every_layer(moe_config):
@@ -25,11 +26,11 @@ def test_match_counts_every_layer(moe_config):
 
 
 def test_no_match_warns_with_closest_names():
-    dense = model_config(arch_from_config(EMBEDDED["tiny"].config, "tiny"))
+    dense = model_config(arch_from_config(EMBEDDED["tiny"].config, "tiny"), max_context_length=128)
     report = override_check.check([f"{NKI}.nki_rope", f"{NKI}.nki_router"], dense)
     assert report.count("nki_router") == 0
     assert len(report.warnings) == 1 and "nki_router matched nothing" in report.warnings[0]
-    assert "model_spec.model.layers." in report.warnings[0]
+    assert f"{model_spec.fqn_root()}.layers." in report.warnings[0]
 
 
 def test_same_node_conflict_names_both(moe_config):

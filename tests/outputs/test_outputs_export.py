@@ -10,6 +10,7 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,8 +23,11 @@ from pipeline.errors import PipelineError
 from pipeline.run import rundir
 from pipeline.run.rundir import RunDir
 from pipeline.outputs import export as export_stage
-from helpers import (EXPORT_MODELS, TRAINED_STEPS, copy_model, fake_run, hf_shard, plant_dcp_shards, read_metrics,
-                     run_dir as runs_dir, run_pipeline, source_dir, tensors, tied_source_with_lm_head, weights_path)
+from pipeline.stages import publish
+from helpers import (EXPORT_MODELS, REPO, TRAINED_STEPS, copy_model, fake_run, hf_shard, missing_tool, plant_dcp_shards,
+                     read_metrics,
+                     record_hashes, run_dir as runs_dir, run_pipeline, source_dir, tensors, tied_source_with_lm_head,
+                     weights_path)
 
 
 CURRENT_UMASK = os.umask(0o022)
@@ -181,6 +185,7 @@ def test_nan_weights_are_refused(export_runs, tmp_path, dtype):
     state = load_file(str(shard))
     state["model.norm.weight"][3] = float("nan")
     save_file(state, str(shard), metadata={"format": "pt"})
+    record_hashes(shard.parent)  # a run that diverged: its ranks saved the NaN
     with pytest.raises(PipelineError, match="model.norm.weight holds NaN"):
         export(run, dtype=dtype)
     assert sorted(p.name for p in run.iterdir()) == ["checkpoint", "run.json"]
@@ -198,6 +203,7 @@ def test_a_wider_dtype_than_the_run_saved_is_refused(export_runs, tmp_path):
     run = fake_run(export_runs, tmp_path)
     for shard in weights_path(run).glob("*.safetensors"):
         save_file({k: v.to(torch.bfloat16) for k, v in load_file(str(shard)).items()}, str(shard), metadata={"format": "pt"})
+    record_hashes(weights_path(run))  # as a bfloat16 run's ranks save it
     with pytest.raises(PipelineError, match="saved in bfloat16.*Fix: train with DTYPE=float32"):
         export(run, dtype="float32")
     assert sorted(p.name for p in run.iterdir()) == ["checkpoint", "run.json"]
@@ -282,8 +288,8 @@ def test_export_onto_a_full_disk_fails_cleanly(checkpoints, tmp_path):
         assert err.startswith("error:") and "full disk" in err and "Fix:" in err, err
         assert {p: sha(p) for p in before} == before
         manifest.check(run / "export")
-        # .lock: the run's lock, which export holds while it writes (as a launch does)
-        assert sorted(p.name for p in run.iterdir()) == [".lock", "checkpoint", "export", "run.json"]
+        # no .lock: export held the run's lock while it wrote (as a launch does) and deleted it as it let go
+        assert sorted(p.name for p in run.iterdir()) == ["checkpoint", "export", "run.json"]
     finally:
         subprocess.run(["umount", str(run)], check=False)
 
@@ -312,3 +318,91 @@ def test_a_finished_run_saves_its_model_again_in_another_dtype(checkpoints, tmp_
     assert f"Loading the checkpoint from {run.path}/checkpoint/step-2" in logs and "Training starts at step 3" in logs
     assert [m["step"] for m in read_metrics(run.path)] == [1, 2, 3]
     assert run.hf_weights() == (3, run.step_dir(3) / rundir.HF_WEIGHTS) and run.hf_weights_dtype(3) == "float32"
+
+
+def transformers4_source(export_runs: Path, tmp_path: Path) -> Path:
+    """tiny's source with its config.json as transformers 4.x wrote it (Qwen3-4B-Instruct-2507's Hub config
+    is one: top-level rope_theta and rope_scaling, torch_dtype, transformers_version 4.51.0), plus a key
+    no transformers knows; the same architecture, so a tiny run exports over it."""
+    source = tmp_path / "source-4x"
+    shutil.copytree(source_dir(export_runs, "tiny"), source)
+    config = json.loads((source / "config.json").read_text())
+    config.pop("dtype")
+    config["rope_theta"] = config.pop("rope_parameters")["rope_theta"]
+    config.update(rope_scaling=None, torch_dtype="bfloat16", transformers_version="4.51.0", team_note="kept")
+    (source / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return source
+
+
+def test_a_transformers4_config_keeps_every_key_and_only_its_dtype_changes(export_runs, tmp_path):
+    """Every top-level key and value of the source's config.json, in its spelling (torch_dtype, not
+    dtype; rope_theta, not rope_parameters); the generation config and tokenizer byte for byte."""
+    source = transformers4_source(export_runs, tmp_path)
+    run = fake_run(export_runs, tmp_path, source=source)
+    out = export(run, dtype="float32", step=0, output=tmp_path / "e")
+    theirs, ours = json.loads((source / "config.json").read_text()), json.loads((out / "config.json").read_text())
+    assert list(ours) == list(theirs)  # no key added (dtype, rope_parameters) or lost, in the source's order
+    assert {k: v for k, v in ours.items() if k != "torch_dtype"} == {k: v for k, v in theirs.items() if k != "torch_dtype"}
+    assert ours["torch_dtype"] == "float32" and ours["rope_theta"] == 1e6 and ours["rope_scaling"] is None
+    for name in hf_dir.CARRIED_FILES:
+        if (source / name).exists():
+            assert (out / name).read_bytes() == (source / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_shard_has_save_pretrained_format_metadata(export_runs, tmp_path, dtype):
+    """{"format": "pt"} in every shard's header, as safetensors' save_file writes it: the trainer's HF save
+    carries it (so the export links it), a save from before that gets a marked copy with the same tensors."""
+    from pipeline.checkpoint import stream
+
+    run = fake_run(export_runs, tmp_path)
+    saved = weights_path(run, 0)
+    assert all(stream.has_pt_format(shard) for shard in saved.glob("*.safetensors"))
+    unmarked = {}
+    for shard in saved.glob("*.safetensors"):  # as torch's consolidation writes it: no __metadata__
+        unmarked[shard.name] = load_file(str(shard))
+        save_file(unmarked[shard.name], str(shard))
+        assert not stream.has_pt_format(shard)
+    # as the trainer recorded them when it saved them so
+    (saved / rundir.HF_HASHES).write_text(json.dumps({
+        shard.name: {"sha256": sha(shard), "bytes": shard.stat().st_size, "mtime_ns": shard.stat().st_mtime_ns}
+        for shard in saved.glob("*.safetensors")}))
+    out = export(run, dtype=dtype, step=0, output=tmp_path / "e")
+    shards = sorted(out.glob("*.safetensors"))
+    assert len(shards) == 2
+    for shard in shards:
+        assert stream.header_metadata(shard) == {"format": "pt"}, shard.name
+        assert shard.stat().st_ino != (saved / shard.name).stat().st_ino
+        ours, theirs = load_file(str(shard)), unmarked[shard.name]
+        assert set(ours) == set(theirs)
+        assert all(torch.equal(ours[k], theirs[k].to(getattr(torch, dtype))) for k in theirs)
+    # a marked copy is no file of the run's save: publishable, though its sha256 is not the recorded one
+    publish._check_linked_weights(RunDir(run), out, manifest.check(out), "again")
+
+
+# transformers 4.57, the last 4.x (serving stacks still pin it), over the dev venv: `make setup-transformers4`.
+TRANSFORMERS4 = REPO / ".venv-transformers4" / "bin" / "python"
+
+
+def client_logits(python: Path | str, model_dir: Path, out: Path) -> tuple[dict, torch.Tensor]:
+    """What tests/client_logits.py, run by `python`, read from `model_dir`: its report and the logits."""
+    result = subprocess.run([str(python), str(REPO / "tests" / "client_logits.py"), str(model_dir), str(out)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1]), load_file(str(out))["logits"]
+
+
+def test_transformers4_reads_the_export_as_transformers5_does(export_runs, tmp_path):
+    """An export of a transformers-4.x-written source (the Hub's Qwen3 configs): transformers 4.57 finds the
+    same rope_theta as 5.16 (1e6, not Qwen3Config's default 10000) and the same logits."""
+    if not TRANSFORMERS4.exists():
+        missing_tool(f"no transformers 4.57 venv at {TRANSFORMERS4.parent.parent}: `make setup-transformers4` "
+                     "makes it (`make test` does)")
+    run = fake_run(export_runs, tmp_path, step=TRAINED_STEPS, source=transformers4_source(export_runs, tmp_path))
+    out = export(run, dtype="float32", output=tmp_path / "e")
+    new, new_logits = client_logits(sys.executable, out, tmp_path / "new.safetensors")
+    old, old_logits = client_logits(TRANSFORMERS4, out, tmp_path / "old.safetensors")
+    assert new["transformers"].startswith("5.") and old["transformers"].startswith("4.57."), (new, old)
+    assert old["rope_theta"] == new["rope_theta"] == 1e6
+    assert old_logits.shape == new_logits.shape and old_logits.shape[-1] == 151936
+    assert torch.allclose(old_logits, new_logits, atol=1e-5, rtol=0), (old_logits - new_logits).abs().max()

@@ -152,8 +152,13 @@ def test_dir_without_metrics_warns_and_cli_exits_zero(tmp_path):
     _write_metrics(home.runs / "native", [2.0, 1.0])
     (home.runs / "nki").mkdir()
     (home.runs / "nki" / "metrics.jsonl").write_text("")
+    (home.runs / "mine").mkdir()  # what a launch that failed before its first step leaves
+    (home.runs / "mine" / "failure.json").write_text(json.dumps({"rank": 0, "problem": "bad data.", "fix": "fix it."}))
     result = run_pipeline("report", "--model", "tiny", root=tmp_path / "ckpt")
-    assert f"warning: {home.runs / 'nki'} has an empty metrics.jsonl" in result.stderr
+    console = result.stdout + result.stderr
+    assert console.count(f"warning: {home.runs / 'nki'} has an empty metrics.jsonl") == 1
+    assert console.count(str(home.runs / "mine")) == 1  # named once, as the failed start it was
+    assert f"warning: run mine failed before its first step: bad data. ({home.runs / 'mine' / 'failure.json'})" in console
     assert "no hf run" in result.stdout and "no nki run" not in result.stdout  # named once, as the warning
     check_png(home.report / "curves.png")
 
@@ -209,3 +214,67 @@ def test_no_window_backend_is_touched(tmp_path):
                             env={**os.environ, "MPLBACKEND": "TkAgg", "DISPLAY": ""})
     assert result.returncode == 0, result.stderr
     check_png(home.report / "curves.png")
+
+
+# Seven runs as a user has them: the three paths pretraining, and named runs (chat fine-tuning on two paths,
+# one more pretraining run), every step-1 loss equal (what comparing paths is for) and close curves.
+SEVEN = {"hf": ("hf", "text"), "native": ("native", "text"), "nki": ("nki", "text"), "mine-2": ("nki", "text"),
+         "sft": ("native", "chat"), "lora": ("native", "chat"), "mine": ("hf", "chat")}
+
+
+def seven_runs(root: Path) -> store.ModelHome:
+    home = store.home("tiny", root)
+    for i, (name, (path, data_format)) in enumerate(SEVEN.items()):
+        run = home.runs / name
+        _write_metrics(run, [7.882170] + [7.5 - 0.02 * i - 0.1 * s for s in range(1, 10)])
+        if data_format == "chat":
+            lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+            for line in lines:
+                if line["step"] in (1, 5, 10):
+                    line["eval_loss"] = line["loss"] + 0.3
+            (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+        RunDir(run).save_spec(RunSpec(
+            model="tiny", model_key="tiny", path=path, target="cpu", source_dir=str(home.runs.parent / "source"),
+            run_dir=str(run), arch=arch_from_config(EMBEDDED["tiny"].config), settings=TrainSettings(steps=10),
+            data_format=data_format))
+    return home
+
+
+def test_seven_runs_are_told_apart(tmp_path):
+    from matplotlib.colors import to_rgba
+    from matplotlib.text import Text
+    from matplotlib.transforms import Bbox
+
+    from pipeline.models import registry
+
+    collection = report.collect(seven_runs(tmp_path))
+    figure = report.figure(collection)
+    renderer = figure.canvas.get_renderer()
+    figure.draw(renderer)
+    pretraining, chat = figure.axes[0], figure.axes[1]
+    drawn = {ax: {line.get_label(): line for line in ax.get_lines() if not line.get_label().startswith("_")}
+             for ax in (pretraining, chat)}
+    assert set(drawn[pretraining]) == {"hf", "native", "nki", "mine-2 (nki)"}  # the kinds in panels of their own
+    assert set(drawn[chat]) == {"sft (native)", "lora (native)", "mine (hf)"}
+    lines = {**drawn[pretraining], **drawn[chat]}
+    colours = [to_rgba(line.get_color()) for line in lines.values()]
+    markers = [line.get_marker() for line in lines.values()]
+    assert len(set(colours)) == len(set(markers)) == 7  # a colour and a marker per run
+    for path in registry.names():  # path runs keep their colours
+        assert to_rgba(lines[path].get_color()) == to_rgba(registry.PATHS[path].colour)
+    evals = [line for line in chat.get_lines() if line.get_label().startswith("_") and line.get_linestyle() == ":"]
+    assert len(evals) == 3 and all(len(line.get_xdata()) == 3 for line in evals)  # eval loss drawn, per chat run
+    labels = [t for ax in figure.axes for t in ax.texts if t.get_gid() == "step1-label"]
+    assert sorted(t.get_text().split(" step 1")[0] for t in labels) == sorted(SEVEN)
+    legend = figure.axes[5].get_legend()
+    legend_texts = [t.get_text() for t in legend.get_texts()]
+    assert all(any(t.startswith(name) for t in legend_texts) for name in SEVEN) and legend.get_title().get_text() == "runs"
+    for group in ([t for t in labels if t.axes is pretraining], [t for t in labels if t.axes is chat], legend.get_texts()):
+        boxes = [Text.get_window_extent(t, renderer) for t in group]  # the text's own box (an annotation's holds its arrow)
+        for i, a in enumerate(boxes):
+            assert Bbox.intersection(a, figure.bbox) is not None and a.x0 >= 0 and a.x1 <= figure.bbox.x1
+            for b in boxes[i + 1:]:
+                assert not a.overlaps(b), (a, b)
+    output = os.environ.get("REPORT_PNG")  # REPORT_PNG=<file>: keep the picture to look at
+    if output:
+        figure.savefig(output, format="png")

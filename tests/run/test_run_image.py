@@ -23,7 +23,7 @@ def test_the_image_layout_is_the_dockerfiles():
 
     dockerfile = (REPO / "Dockerfile").read_text()
     layout = image.IMAGE
-    assert f"COPY --from=install {layout.python.removesuffix('/bin/python')} " in dockerfile
+    assert f"-m venv {layout.python.removesuffix('/bin/python')} " in dockerfile
     assert f"WORKDIR {layout.workdir}\n" in dockerfile
     assert f"COPY pipeline/ {layout.workdir}/pipeline/" in dockerfile
     assert f"{layout.record}/" in dockerfile

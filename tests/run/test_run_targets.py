@@ -1,6 +1,6 @@
 """run/targets.py, stages/launch.py, stages/image.py, Dockerfile: TorchNeuron's compile cache is
 TORCH_NEURONX_NEFF_CACHE_DIR, one persistent directory, so a second run with the same shapes reuses
-the compiled graphs (issue 12, finding 12; torch/reference/env-vars in shared/notes/neuron.md).
+the compiled graphs (issue 12, finding 12; neuron:torch/reference/env-vars.html, docs/sources.md).
 On CPU, glibc keeps freed memory (large mmap/trim thresholds: a step over the vocabulary no longer
 re-faults its logits) only for runs needing at most a quarter of the machine (issue 14)."""
 
@@ -85,7 +85,7 @@ def test_container_run_carries_the_users_hugging_face_settings(monkeypatch, tmp_
 
 def test_slurm_nodes_share_one_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("PIPELINE_CHECKPOINTS", str(tmp_path))
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(allow_abbrev=False)
     launch_stage.add_arguments(parser)  # every flag at its default, as a user's command line would give them
     args = parser.parse_args(["--scheduler", "slurm", "--nodes", "2", "--model", "Qwen/Qwen3-0.6B",
                               "--cluster-checkpoints", "/fsx/checkpoints", "--output", str(tmp_path / "out"),

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.errors import PipelineError
 from pipeline.training import dataset
 from helpers import REPO, read_metrics, run_dir, run_pipeline
 
@@ -55,8 +56,13 @@ def test_a_split_is_copied_with_its_columns_renamed_and_read_as_chat(chat_set, t
     settings = type("S", (), {"eval_every": 5, "eval_steps": 1, "eval_dataset": ""})()
     assert dataset.eval_file(settings, source, root / "tiny" / "data" / "train.jsonl") == str(out.with_suffix(".eval.jsonl"))
     # copied again without an eval split: the old eval copy does not outlive the copy it belonged to
-    copy(root, chat_set, "--split", "train_sft", "--columns", "messages=conversations")
+    copy(root, chat_set, "--split", "train_sft", "--columns", "messages=conversations", "--hold-out", "0")
     assert not out.with_suffix(".eval.jsonl").exists()
+    # nor with the default held-out split of chat data (EVAL_SPLIT): then it is records held out of this copy
+    copy(root, chat_set, "--split", "train_sft", "--columns", "messages=conversations")
+    held, train = (f.read_text().splitlines() for f in (out.with_suffix(".eval.jsonl"), out))
+    assert len(held) == 1 and len(train) == 23 and not set(held) & set(train)
+    assert json.loads(out.with_suffix(".json").read_text())["eval_split_fraction"] == 0.05
 
 
 def test_a_hub_id_reads_its_copy_when_there_is_one(tmp_path):
@@ -111,3 +117,45 @@ def test_sft_on_a_copied_split_trains_with_eval_loss(chat_set, tiny_root):
                           "--config", str(config), "--name", "long-eval", root=tiny_root, check=False, timeout=300)
     assert failed.returncode == 2 and "fits in seq_len 128" in failed.stderr and "long-eval.eval.jsonl" in failed.stderr, \
         failed.stderr[-2000:]
+
+
+def local_set(directory: Path, rows: list[dict]) -> Path:
+    directory.mkdir(parents=True)
+    (directory / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return directory
+
+
+@pytest.mark.parametrize("columns, expected, form", [
+    # their own "text" column comes first: text=summary must still copy the summaries
+    ("text=summary", {"text": "short 2"}, "text"),
+    # a chat mapping: their text column is not copied beside it
+    ("prompt=question,completion=answer", {"prompt": "q2?", "completion": "a2"}, "chat"),
+])
+def test_columns_are_applied_to_a_local_directory_and_recorded_as_applied(tmp_path, columns, expected, form):
+    rows = [{"summary": f"short {i}", "text": f"full article {i}", "question": f"q{i}?", "answer": f"a{i}"}
+            for i in range(5)]
+    mine, root = local_set(tmp_path / "articles", rows), tmp_path / "ckpt"
+    copy(root, mine, "--columns", columns, "--hold-out", "0")  # every record kept: line 3 is record 3
+    out = root / "tiny" / "data" / "hub" / "articles.jsonl"
+    assert json.loads(out.read_text().splitlines()[2]) == expected
+    record = json.loads(out.with_suffix(".json").read_text())
+    assert record["format"] == form and record["dataset"] == str(mine.resolve())
+    assert record["columns"] == dict(item.split("=") for item in columns.split(","))
+    source = dataset.resolve(str(mine), root / "tiny" / "data" / "train.jsonl")
+    assert (source.file, source.format) == (str(out), form)
+
+
+def test_an_ambiguous_or_foreign_copy_is_refused(tmp_path):
+    both = local_set(tmp_path / "both", [{"text": "t", "messages": [{"role": "user", "content": "Hi"},
+                                                                   {"role": "assistant", "content": "Hello"}]}])
+    root = tmp_path / "ckpt"
+    refused = copy(root, both, "--columns", "", "--split", "train", check=False)
+    assert refused.returncode == 2 and "has a text column and chat columns" in refused.stderr
+    mixed = copy(root, both, "--columns", "text=text,messages=messages", check=False)
+    assert mixed.returncode == 2 and "maps both text and chat columns" in mixed.stderr
+    assert not list((root / "tiny" / "data").glob("hub/*"))
+    # a copy made of another directory with the same name is not this one's
+    copy(root, both, "--columns", "text=text")
+    other = local_set(tmp_path / "elsewhere" / "both", [{"text": "other"}])
+    with pytest.raises(PipelineError, match=r"is a dataset directory and its copy .* is of .*/both"):
+        dataset.resolve(str(other), root / "tiny" / "data" / "train.jsonl")

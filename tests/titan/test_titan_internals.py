@@ -48,7 +48,7 @@ def test_private_torchtitan_uses_live_only_in_internals_and_accessors():
     uses = [u for f in sorted((REPO / "pipeline").rglob("*.py")) if f not in PRIVATE_ACCESS
             for u in _torchtitan_private_uses(f)]
     # Private names of other libraries that the heuristic cannot tell from torchtitan's, each named with its owner.
-    not_torchtitan = {"._attn_implementation": "transformers config", "._experts_implementation": "transformers config",
+    not_torchtitan = {"._attn_implementation": "transformers config", "._name_or_path": "transformers config (export's PEFT model)", "._experts_implementation": "transformers config",
                       "._init_weights": "transformers PreTrainedModel", "._get_fsdp_state": "torch FSDP2 module",
                       "._mp_policy": "torch FSDP2 state", "._schema": "torch OpOverload", "._type": "torch DTensor op",
                       "._run_exitfuncs": "CPython atexit (a finished rank's exit, training/entry.py)",
@@ -68,8 +68,8 @@ def test_every_listed_internal_exists_on_the_installed_torchtitan():
 
 
 def test_a_missing_internal_is_named_with_the_expected_version():
-    gone = internals.Internal("torchtitan.models.qwen3", "_build_qwen3_layers_renamed", "test")
-    gone_param = internals.Internal("torchtitan.config.configurable", "Configurable.Config.traverse", "test",
+    gone = internals.TitanName("torchtitan.models.qwen3", "_build_qwen3_layers_renamed", "test")
+    gone_param = internals.TitanName("torchtitan.config.configurable", "Configurable.Config.traverse", "test",
                                  parameter="_root")
     with pytest.raises(PipelineError) as err:
         internals.check_torchtitan("trn2", internals=internals.TORCHTITAN_INTERNALS + (gone, gone_param))

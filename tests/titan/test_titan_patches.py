@@ -1,5 +1,5 @@
 """titan/patches.py: on trn2, memory statistics are read only after torch.neuron.synchronize()
-(issue 12, finding 13; torch/guides/memory-profiling-guide in shared/notes/neuron.md); on CPU, torchtitan's
+(issue 12, finding 13; neuron:torch/guides/memory-profiling-guide.html, docs/sources.md); on CPU, torchtitan's
 compiled flex_attention is made on its first call (issue 22, item 3)."""
 
 from __future__ import annotations

@@ -79,3 +79,15 @@ def test_step_1_writes_the_trainers_start_up_marks(tmp_path):
     marks = json.loads((tmp_path / "timings.json").read_text())
     step1 = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["time"]
     assert list(marks.items()) == [*proc.timings.items(), ("step1", step1)]
+
+
+def test_each_logged_step_prints_step_n_of_n_loss_tokens_per_s_and_an_eta(tmp_path, capsys):
+    proc = _processor(tmp_path, world=2, non_dp=1, ntokens=512, elapsed=2.0)
+    proc.total_steps = 10
+    proc.log(1, 7.8821704, 7.9, 0.5)
+    proc.time_last_log = time.perf_counter() - 1.0
+    proc.log(2, 7.5, 7.6, 0.5)
+    first, second = capsys.readouterr().out.splitlines()
+    assert first.startswith("step  1/10  loss 7.882170  512 tokens/s  ETA 0:")  # 2 s × 9 steps left: 0:18
+    assert first == "step  1/10  loss 7.882170  512 tokens/s  ETA 0:18"
+    assert second.startswith("step  2/10  loss 7.500000  1,024 tokens/s  ETA 0:0")  # the time since step 1 × 8

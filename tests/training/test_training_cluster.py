@@ -4,6 +4,8 @@ the manifests parse."""
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -138,3 +140,82 @@ def test_the_pushed_digest_is_the_default_image(tmp_path):
     run_pipeline("launch", "--scheduler", "eks", "--nodes", "2", "--model", MODEL, "--image", default_tag(),
                  "--output", str(out), root=tmp_path)
     assert f"image: {PUSHED}" in (out / "job.yaml").read_text()
+
+
+def _fake_tools(tmp_path: Path, enroot_version: str | None) -> dict:
+    """PATH with stand-ins for what the sbatch script calls on the batch node: scontrol (the node list),
+    srun (records its arguments) and, unless None, an enroot reporting `enroot_version`."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    tools = {"scontrol": 'case "$1" in hostnames) echo node-a ;; *) echo "NodeName=node-a NodeAddr=10.0.0.1 x" ;; esac',
+             "srun": f'echo "$@" > {tmp_path}/srun.args'}
+    if enroot_version is not None:
+        tools["enroot"] = f'[ "$1" = version ] && echo {enroot_version}'
+    for name, body in tools.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    return {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_NODELIST": "node-a", "SLURM_JOB_ID": "7", "HOME": str(tmp_path)}
+
+
+def _submit(script: Path, env: dict) -> subprocess.CompletedProcess:
+    """The script as the batch node runs it, with the environment's stand-ins."""
+    return subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
+
+
+# enroot 3.x's reference form, docker://[USER@][REGISTRY#]IMAGE[:TAG], the tag of letters, digits and ._:-
+# (enroot doc/cmd/import.md; the tag's characters: src/docker.sh v3.1.0-v3.5.0).
+ENROOT3_URI = re.compile(r"^docker://([^@#]+@)?([^#]+#)?[a-z0-9/._-]+(:[A-Za-z0-9._:-]+)?$")
+
+
+@pytest.mark.parametrize("version, runs", [("3.5.0", False), ("3.1.1", False), (None, False), ("4.0.1", True),
+                                           ("10.2.0", True)])
+def test_sbatch_stops_in_one_line_on_an_enroot_without_digest_references(tmp_path, version, runs):
+    """pyxis hands the digest reference to enroot, which reads it from 4.0 on: an older enroot stops the job
+    before srun with one line and the fix, an import to a squashfs file that launch accepts."""
+    out = tmp_path / "slurm"
+    run_pipeline("launch", "--scheduler", "slurm", "--nodes", "2", "--model", MODEL, "--image", PUSHED,
+                 "--output", str(out), root=tmp_path / "ckpt")
+    result = _submit(out / "train.sbatch", _fake_tools(tmp_path, version))
+    if runs:
+        assert result.returncode == 0, result.stderr
+        assert f"--container-image={PUSHED}" in (tmp_path / "srun.args").read_text()
+        return
+    assert result.returncode == 2 and not (tmp_path / "srun.args").exists()
+    (line,) = result.stderr.strip().splitlines()
+    assert f"enroot {version or '(none on PATH)'} on" in line and "needs enroot 4.0 or newer" in line
+    command = line[line.index("enroot import"):line.index(", then")]
+    words = shlex.split(command)
+    assert words[:3] == ["enroot", "import", "--output"] and words[3].startswith("/fsx/checkpoints/images/")
+    assert ENROOT3_URI.match(words[4]) and words[4].endswith(PUSHED.split("@")[1])  # still pinned by digest
+    assert words[4] == "docker://registry.example:5000#qwen3-pipeline:" + PUSHED.split("@")[1]
+    assert "make launch-slurm IMAGE=" in line
+
+
+def test_a_squashfs_file_is_an_image_launch_accepts(tmp_path):
+    squashfs = tmp_path / "images" / "qwen3.sqsh"
+    out = tmp_path / "slurm"
+    run_pipeline("launch", "--scheduler", "slurm", "--nodes", "2", "--model", MODEL, "--image", str(squashfs),
+                 "--output", str(out), root=tmp_path / "ckpt")
+    script = out / "train.sbatch"
+    lint = subprocess.run([_shellcheck(), str(script)], capture_output=True, text=True)
+    assert lint.returncode == 0, lint.stdout
+    env = _fake_tools(tmp_path, "3.5.0")  # an old enroot reads a squashfs file
+    missing = _submit(script, env)
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and f"{squashfs} is not readable" in missing.stderr
+    squashfs.parent.mkdir()
+    squashfs.write_bytes(b"hsqs")
+    result = _submit(script, env)
+    assert result.returncode == 0, result.stderr
+    assert f"--container-image={squashfs} " in (tmp_path / "srun.args").read_text()
+
+
+@pytest.mark.parametrize("scheduler, runtime, image, expected", [
+    ("eks", "pyxis", "/fsx/images/qwen3.sqsh", "only pyxis on Slurm reads"),
+    ("slurm", "venv", "/fsx/images/qwen3.sqsh", "only pyxis on Slurm reads"),
+    ("slurm", "pyxis", "images/qwen3.sqsh", "relative path"),
+])
+def test_a_squashfs_file_elsewhere_is_refused(tmp_path, scheduler, runtime, image, expected):
+    result = run_pipeline("launch", "--scheduler", scheduler, "--runtime", runtime, "--nodes", "2", "--model", MODEL,
+                          "--image", image, "--output", str(tmp_path / "o"), root=tmp_path, check=False)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and expected in result.stderr, result.stderr
+    assert not (tmp_path / "o").exists()

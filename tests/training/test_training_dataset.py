@@ -33,7 +33,8 @@ def test_kinds(tmp_path):
     local = tmp_path / "train.jsonl"
     local.write_text('{"text": "a"}\n')
     assert dataset.resolve("local", local) == dataset.DataSource("file", "local", str(local))
-    assert dataset.resolve("c4", local).kind == "titan" and dataset.resolve("c4", local).loader_name == "c4"
+    assert dataset.resolve("c4_test", local, check_local=False).kind == "titan"
+    assert dataset.resolve("c4", local, check_local=False).loader_name == dataset.REGISTERED_NAME["staged"]
     hub = dataset.resolve("someorg/my_corpus-v2", local)
     assert hub.kind == "hub" and hub.loader_name == dataset.REGISTERED_NAME["hub"]
     text = tmp_path / "notes.txt"
@@ -71,7 +72,7 @@ def test_unusable_values_are_refused(tmp_path):
         ("c4x", "is not 'local', a .jsonl/.txt file, a torchtitan dataset (c4, c4_test, c4_validation) or a Hub"),
         ("a/b/c", "is not 'local'"),
         (str(tmp_path / "absent.jsonl"), "does not exist"),
-        (str(tmp_path), "is a directory"),
+        (str(tmp_path), "is a dataset directory and it has not been copied"),
         ("local", "does not exist (DATASET=local)"),
     ]:
         with pytest.raises(PipelineError) as err:
@@ -100,14 +101,48 @@ def test_dry_run_does_not_need_local_data_but_checks_a_users_file(tmp_path):
     assert dataset.resolve("local", tmp_path / "absent.jsonl", check_local=False).kind == "file"
 
 
+def _c4_test(root: Path, texts=("{}",)) -> Path:
+    """torchtitan's c4_test under `root` as the installed torchtitan reads it: a folder (0.3.0) or its
+    data.json (main), of JSON lines with a "text"."""
+    read = root / api.titan_datasets()["c4_test"]
+    data = read if read.suffix else read / "data.json"
+    data.parent.mkdir(parents=True)
+    data.write_text("".join(t + "\n" for t in texts))
+    return read
+
+
 def test_c4_test_outside_a_torchtitan_checkout_is_refused(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(PipelineError, match="relative to the working directory"):
+    with pytest.raises(PipelineError, match="found neither in .* nor in the installed torchtitan's source checkout"):
         dataset.resolve("c4_test", tmp_path / "train.jsonl")
-    read = tmp_path / api.titan_datasets()["c4_test"]  # the installed torchtitan's: folder or data.json
-    read.parent.mkdir(parents=True)
-    read.mkdir() if not read.suffix else read.write_text("{}\n")
-    assert dataset.resolve("c4_test", tmp_path / "train.jsonl").kind == "titan"
+    assert dataset.resolve("c4_test", tmp_path / "train.jsonl", check_local=False).file is None  # the ranks look
+    read = _c4_test(tmp_path)
+    source = dataset.resolve("c4_test", tmp_path / "train.jsonl")
+    assert source.kind == "titan" and source.file == str(read.resolve())
+
+
+def test_c4_test_is_found_in_the_installed_torchtitans_checkout_as_the_tokenizer_is(tmp_path, monkeypatch):
+    """The image's working directory (/opt/pipeline) has no tests/assets; torchtitan-neuron's clone, which it
+    is installed from, does: the ranks are given that absolute path, and torchtitan's own c4_test entry
+    reads it from any working directory."""
+    from torchtitan.hf_datasets.text_datasets import DATASETS
+
+    from pipeline.training import titan_assets
+
+    checkout = tmp_path / "torchtitan-neuron"
+    read = _c4_test(checkout, ['{"text": "first c4 document"}', '{"text": "second"}'])
+    monkeypatch.setattr(titan_assets, "checkout_root", lambda: checkout)
+    elsewhere = tmp_path / "opt-pipeline"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    source = dataset.resolve("c4_test", elsewhere / "train.jsonl")
+    assert source.file == str(read.resolve())
+    monkeypatch.setitem(DATASETS, "c4_test", DATASETS["c4_test"])  # restored after the test
+    assert dataset.register(source) == "c4_test"
+    assert api.registered_dataset_paths()["c4_test"] == str(read.resolve())
+    if not api.folded_batch():  # 0.3.0's entry loads itself: the documents, read from the checkout
+        config = DATASETS["c4_test"]
+        assert [config.sample_processor(r) for r in config.loader(config.path)] == ["first c4 document", "second"]
 
 
 def test_titan_dataset_names_match_the_installed_torchtitan():
@@ -178,3 +213,18 @@ def test_training_reads_the_users_file(tiny_root, tmp_path):
     assert MARKER in text and "lighthouse ledger" in text, text[:500]
     held_out = (tiny_root / "tiny" / "data" / "train.jsonl").read_text()
     assert MARKER not in held_out  # the default data could not have produced it
+
+
+def test_every_line_is_read_strictly_before_launch(tmp_path):
+    """A dry run reads what the ranks will, all of it: invalid UTF-8 (datasets' json builder refuses it) and
+    a bad role far past the first lines are refused naming the line."""
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    chat_file = tmp_path / "chats.jsonl"
+    chat_file.write_text("".join(json.dumps({"messages": turns}) + "\n" for _ in range(10))
+                         + json.dumps({"messages": [turns[0], {"role": "bot", "content": "x"}]}) + "\n")
+    with pytest.raises(PipelineError, match=r"chats.jsonl:11 message 2 has no role"):
+        dataset.resolve(str(chat_file), tmp_path / "train.jsonl", check_local=False)
+    text_file = tmp_path / "mine.jsonl"
+    text_file.write_bytes(b'{"text": "fine"}\n' * 9 + b'{"text": "caf\xe9"}\n')
+    with pytest.raises(PipelineError, match=r"mine.jsonl:10 is not UTF-8"):
+        dataset.resolve(str(text_file), tmp_path / "train.jsonl", check_local=False)

@@ -6,9 +6,11 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
+from pipeline.errors import PipelineError
 from pipeline.run.rundir import RunDir
 from pipeline.training import launcher as train
 from helpers import REPO
@@ -101,3 +103,72 @@ def test_a_killed_launcher_takes_torchrun_and_its_ranks_with_it(tmp_path):
     for pid in survivors:
         os.kill(pid, signal.SIGKILL)
     assert not survivors, "torchrun's ranks outlived the killed launcher"
+
+
+# A stand-in for torchrun: what a start that fails leaves (logs, TensorBoard, a rank's recorded error), and
+# optionally one logged step first.
+FAILS_EARLY = """
+import json, pathlib, sys
+run = pathlib.Path(sys.argv[1])
+(run / "logs" / "attempt_0" / "1").mkdir(parents=True)
+(run / "logs" / "attempt_0" / "1" / "stderr.log").write_text("Traceback ...")
+(run / "tb").mkdir()
+if sys.argv[2] == "record":
+    (run / "failure.json").write_text(json.dumps({"rank": 1, "problem": "bad data.", "fix": "fix it."}))
+if sys.argv[2] == "step":
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\\n")
+print("the last words of the failed start", file=sys.stderr)
+sys.exit(3)
+"""
+
+
+@pytest.fixture
+def early_failure(tmp_path, monkeypatch):
+    """(launch(mode), the run directory): a tiny native run whose torchrun is FAILS_EARLY in `mode`."""
+    from pipeline.training import torchrun
+    from pipeline.training.resolve import RunRequest, resolve
+
+    spec = resolve(RunRequest(model="tiny", path="native", dry_run=True, checkpoints_root=tmp_path))
+    mode = {}
+    monkeypatch.setattr(torchrun, "command", lambda s: [sys.executable, "-c", FAILS_EARLY, s.run_dir, mode["mode"]])
+
+    def launch(how: str):
+        mode["mode"] = how
+        with pytest.raises(PipelineError) as err:
+            train.launch(spec)
+        return err.value
+
+    return launch, RunDir(Path(spec.run_dir))
+
+
+def test_a_run_failing_before_its_first_step_leaves_only_failure_json(early_failure):
+    launch, run = early_failure
+    err = launch("record")
+    assert (err.problem, err.fix) == ("bad data.", "fix it.")
+    assert sorted(p.name for p in run.path.iterdir()) == ["failure.json"]  # no run.json, logs/, tb/ or .lock
+    recorded = json.loads(run.failure.read_text())
+    assert recorded["rank"] == 1 and recorded["problem"] == "bad data." and recorded["fix"] == "fix it."
+    assert "the last words of the failed start" in recorded["output_tail"]
+    err = launch("plain")  # a rerun replaces it
+    assert err.problem == f"training exited with status 3; logs are in {run.failure}."
+    assert sorted(p.name for p in run.path.iterdir()) == ["failure.json"]
+    assert json.loads(run.failure.read_text())["problem"] == err.problem
+
+
+def test_a_run_that_logged_a_step_keeps_everything(early_failure):
+    launch, run = early_failure
+    err = launch("step")
+    assert f"logs are in {run.logs}" in err.problem
+    assert {"run.json", "metrics.jsonl", "logs", "tb"} <= {p.name for p in run.path.iterdir()}
+    assert not run.lock.exists()
+
+
+def test_a_launch_refused_before_torchrun_leaves_only_failure_json(early_failure, monkeypatch):
+    import shutil
+
+    launch, run = early_failure
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12 - 1000, 1000))
+    err = launch("record")
+    assert "GiB free; one checkpoint save of this run writes about" in err.problem
+    assert sorted(p.name for p in run.path.iterdir()) == ["failure.json"]
+    assert json.loads(run.failure.read_text())["problem"] == err.problem

@@ -83,3 +83,42 @@ def test_second_launch_is_refused_in_one_line_and_fresh_deletes_nothing(local_mo
     assert "launching" not in result.stdout
     assert (run_dir.path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 1.0}\n'
     assert not run_dir.run_json.exists()
+
+
+def test_the_lock_file_goes_with_its_holder_and_only_its_own(tmp_path):
+    run_dir = RunDir(tmp_path / "runs" / "native")
+    with RunLock(run_dir):
+        assert run_dir.lock.is_file()
+    assert not run_dir.lock.exists() and run_dir.path.is_dir()
+    # FRESH: the old run (its lock inside) moved aside, the new directory locked too; the old lock's exit
+    # must not delete the new one's file while that is still held.
+    outer = RunLock(run_dir).__enter__()
+    run_dir.path.rename(tmp_path / "aside")
+    run_dir.path.mkdir()
+    with RunLock(run_dir):
+        outer.__exit__(None, None, None)
+        assert run_dir.lock.is_file()
+    assert not run_dir.lock.exists()
+
+
+def test_a_lock_taken_on_a_file_its_holder_deleted_is_taken_again(tmp_path, monkeypatch):
+    """A process that opened .lock just before its holder deleted it locks the file at the path, never
+    the deleted one (a third process would lock the new file and two would write one run)."""
+    import fcntl
+
+    real_flock = fcntl.flock
+    run_dir = RunDir(tmp_path / "native")
+    first = RunLock(run_dir).__enter__()
+    calls = []
+
+    def flock_after_the_holder_let_go(handle, flags):
+        if not calls:
+            first.__exit__(None, None, None)  # the holder deletes the file this handle opened
+        calls.append(handle)
+        return real_flock(handle, flags)
+
+    monkeypatch.setattr(fcntl, "flock", flock_after_the_holder_let_go)
+    with RunLock(run_dir) as second:
+        assert len(calls) == 2  # the deleted file's lock was let go, the new file's taken
+        assert run_dir.lock.is_file()
+        assert os.fstat(second.handle.fileno()).st_ino == os.stat(run_dir.lock).st_ino

@@ -1,8 +1,8 @@
 """Documented shape rules of each NKI kernel, checked before anything is built or compiled.
 
 Constraints belong to the kernel that will run: the PyTorch reference accepts any shape, so a
-kernel whose backend is "reference" has no rules. Sources (public nki-library sources, see
-/work/shared/notes/neuron.md):
+kernel whose backend is "reference" has no rules. Sources (the kernels' own files in
+https://github.com/aws-neuron/nki-library, see docs/sources.md):
 - rope_hf (core/embeddings/rope_hf.py, `_validate_apply_rope_inputs`): seq len a multiple of
   128 × LNC; no head_dim restriction (the 64/128 rule belongs to the other `rope` kernel).
 - router_topk (core/router_topk/router_topk.py docstring): K ≤ 8, E ≤ 512, H a multiple of 128.
@@ -25,8 +25,8 @@ from pipeline.run.targets import TRN2
 MOE_BLOCK_SIZE = 256
 # router_topk docstring: "Intended for token counts T <= 2048"; longer inputs are tiled.
 ROUTER_MAX_TOKENS = 2048
-# When NEURON_LOGICAL_NC_CONFIG is unset, trn2's runtime runs LNC=2 (neuron.md, "Checked against
-# public sources"): kernels are launched with that grid and shapes are checked against it.
+# When NEURON_LOGICAL_NC_CONFIG is unset, trn2's runtime runs LNC=2
+# (neuron:general/arch/neuron-features/logical-neuroncore-config.html): kernels are launched with that grid and shapes are checked against it.
 TRN2_DEFAULT_LNC = TRN2.default_lnc
 
 

@@ -16,10 +16,12 @@ precision it computed in. Any FAIL row exits non-zero. The NKI kernels run where
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from pipeline.dtypes import DTYPES
+from pipeline.models.nki.kernels import KernelUnavailable
 
 # max error relative to the reference's largest magnitude, by the precision the replacement computed in
 THRESHOLDS = {d.name: d.kernel for d in DTYPES.values()}
@@ -78,9 +80,9 @@ def _rope_case(b: int, s: int, hq: int, hkv: int, d: int, lnc: int, theta: float
     def run(cls, extra, inp, dtype, device):
         import torch
 
-        from pipeline.titan import api
+        from pipeline.titan import api, model_spec
 
-        mod = cls(api.rope_config(cls, dim=d, max_len=s, theta=theta, **extra)).to(device)
+        mod = cls(model_spec.rope_config(cls, dim=d, max_len=s, theta=theta, **extra)).to(device)
         leaves = {n: _leaf(inp[n], dtype, device) for n in ("q", "k")}
         # torchtitan main's RoPE takes [T, H, D] packed tokens (#4121): the same rows, folded.
         fold = (lambda t: t.flatten(0, 1)) if api.folded_batch() else (lambda t: t)
@@ -249,12 +251,16 @@ def verify(all_cases: list[Case], dtypes: list[str], device: str = "cpu", use_nk
             compute = dtype_name
             if use_nki and KERNEL_COMPUTE_DTYPE.get(case.kernel) == "bfloat16":
                 compute = "bfloat16"
-            got = case.replacement(inputs, getattr(torch, dtype_name), device, use_nki)
+            row = {"override": case.override, "shape": case.shape, "dtype": dtype_name,
+                   "runs": case.kernel if use_nki else "reference", "vs": f"{case.reference_name} (float32)",
+                   "threshold": THRESHOLDS[compute]}
+            try:
+                got = case.replacement(inputs, getattr(torch, dtype_name), device, use_nki)
+            except KernelUnavailable as err:  # this kernel's row fails; every other kernel is still checked
+                rows.append({**row, "max_abs": math.nan, "max_rel": math.nan, "pass": False, "error": err.problem})
+                continue
             err_abs, err_rel = _errors(got, reference, compute)
-            rows.append({"override": case.override, "shape": case.shape, "dtype": dtype_name,
-                         "runs": case.kernel if use_nki else "reference", "vs": f"{case.reference_name} (float32)",
-                         "max_abs": err_abs, "max_rel": err_rel, "threshold": THRESHOLDS[compute],
-                         "pass": err_rel <= THRESHOLDS[compute]})
+            rows.append({**row, "max_abs": err_abs, "max_rel": err_rel, "pass": err_rel <= THRESHOLDS[compute]})
     return rows
 
 
@@ -264,7 +270,8 @@ def table(rows: list[dict]) -> str:
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['override']:<12} {r['shape']:<24} {r['dtype']:<9} {r['runs']:<12} {r['vs']:<44} "
-                     f"{r['max_abs']:>9.2e} {r['max_rel']:>9.2e} {r['threshold']:>7.0e}  {'PASS' if r['pass'] else 'FAIL'}")
+                     f"{r['max_abs']:>9.2e} {r['max_rel']:>9.2e} {r['threshold']:>7.0e}  {'PASS' if r['pass'] else 'FAIL'}"
+                     + (f"  {r['error']}" if r.get("error") else ""))
     return "\n".join(lines)
 
 

@@ -6,8 +6,8 @@ dtypes and outputs — so CPU training, opcheck and torch.compile exercise the o
 
 Registration: where torch_neuronx imports, through its `nki_op`, which registers the function as a
 custom op *and* as the op's decomposition under functionalization, so torch.compile(backend="neuron")
-traces through it to the wrap_nki call (neuron.md: AWS documents nki_op as the way to use an NKI
-kernel under torch.compile). Elsewhere through torch.library.custom_op. Either way the function is
+traces through it to the wrap_nki call (neuron:torch/guides/how-to-work-with-nki.html: AWS documents
+nki_op as the way to use an NKI kernel under torch.compile; docs/sources.md). Elsewhere through torch.library.custom_op. Either way the function is
 its own fake kernel (what nki_op does), so each body is written to be traceable: static shapes, no
 host syncs.
 
@@ -27,13 +27,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from pipeline import envvars
 from pipeline.models.nki import kernels
 from pipeline.models.nki.constraints import MOE_BLOCK_SIZE, ROUTER_MAX_TOKENS
 from pipeline.models.nki.layout import blockwise_layout, moe_cte_inputs, moe_cte_reference, moe_cte_reference_backward
 
 NAMESPACE = "pipeline_nki"
 COUNTS: collections.Counter = collections.Counter()
-COUNTS_DIR_ENV = "PIPELINE_NKI_OP_COUNTS"
+COUNTS_DIR_ENV = envvars.NKI_OP_COUNTS
 
 
 def _count(name: str, t: torch.Tensor) -> None:
