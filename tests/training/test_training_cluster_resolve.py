@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
 
 from helpers import REPO, dry_run_spec
+from pipeline.training.cluster import carried_name
 
 # Everything a user may give train-*, each away from its default so a dropped one shows.
 VARIABLES = ("MODEL=tiny", "TARGET=cpu", "TRAIN_PATH=native", "STEPS=7", "SEQ_LEN=64", "NPROC=1",
@@ -50,14 +52,21 @@ def test_launch_slurm_run_json_is_train_dry_run(tmp_path, user_inputs):
     one = tmp_path / "one"
     make("launch-slurm", "NODES=1", "RUNTIME=venv", f"CLUSTER_CHECKPOINTS={root}", f"LAUNCH_DIR={one}",
          *user_inputs, root=root)
-    assert json.loads((one / "run.json").read_text()) == dry
+    launched = json.loads((one / "run.json").read_text())
+    # The local DATASET is a path on this host: the run reads the copy carried in the launch folder, which the
+    # staging step puts under the cluster root; apart from that path, the run is the dry run.
+    carried = launched["data_file"]
+    assert carried.startswith(f"{root}/data/carried/mydata-") and carried.endswith("/mydata.jsonl")
+    assert launched["settings"]["dataset"] == carried
+    assert (one / "data" / carried_name(carried)).read_bytes() == Path(dry["data_file"]).read_bytes()
+    assert launched == json.loads(json.dumps(dry).replace(f'"{dry["data_file"]}"', f'"{carried}"'))
 
     # Two nodes on the cluster's filesystem: the same run, its paths under /fsx, one world over two nodes.
     two = tmp_path / "two"
     make("launch-slurm", "NODES=2", "RUNTIME=venv", "CLUSTER_CHECKPOINTS=/fsx/ckpt", f"LAUNCH_DIR={two}",
          *user_inputs, root=root)
     cluster = json.loads((two / "run.json").read_text())
-    expected = json.loads(json.dumps(dry).replace(f'"{root}/', '"/fsx/ckpt/'))
+    expected = json.loads(json.dumps(dry).replace(f'"{dry["data_file"]}"', f'"{carried}"').replace(f'"{root}/', '"/fsx/ckpt/'))
     expected["settings"]["nnodes"] = 2
     cluster.pop("memory"), expected.pop("memory")  # the estimate sees the two-node world
     assert cluster == expected
@@ -66,11 +75,25 @@ def test_launch_slurm_run_json_is_train_dry_run(tmp_path, user_inputs):
 
 def test_launch_eks_run_json_is_train_dry_run(tmp_path, user_inputs):
     root = tmp_path / "ckpt"
-    dry = dry_run_spec(make("train-native", "DRY_RUN=1", *user_inputs, root=root).stdout)
-    out = tmp_path / "eks"
     image = "registry.example/qwen3@sha256:" + "a" * 64
+    # A DATASET on this host is refused for EKS (its pods mount only the checkpoints volume), naming the fix …
+    refused = subprocess.run(["make", "--no-print-directory", "-o", ".venv/.installed", "launch-eks", "NODES=1",
+                              f"IMAGE={image}", f"CLUSTER_CHECKPOINTS={root}", f"LAUNCH_DIR={tmp_path / 'no'}",
+                              *user_inputs, f"PIPELINE_CHECKPOINTS={root}"], cwd=REPO, capture_output=True, text=True,
+                             env={k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")},
+                             timeout=300)
+    assert refused.returncode != 0 and "the EKS pods mount only the checkpoints volume" in refused.stderr
+    assert not (tmp_path / "no").exists()
+    # … and one already on the volume is the run the dry run resolves.
+    on_volume = root / "mydata.jsonl"
+    root.mkdir(exist_ok=True)
+    on_volume.write_bytes(Path(user_inputs[-1].split("=", 1)[1]).read_bytes())
+    inputs = (*user_inputs[:-1], f"DATASET={on_volume}")
+    dry = dry_run_spec(make("train-native", "DRY_RUN=1", *inputs, root=root).stdout)
+    assert dry["data_file"] == str(on_volume)
+    out = tmp_path / "eks"
     make("launch-eks", "NODES=1", f"IMAGE={image}", f"CLUSTER_CHECKPOINTS={root}", f"LAUNCH_DIR={out}",
-         *user_inputs, root=root)
+         *inputs, root=root)
     docs = {d["kind"]: d for d in yaml.safe_load_all((out / "job.yaml").read_text())}
     assert json.loads(docs["ConfigMap"]["data"]["run.json"]) == dry
 
