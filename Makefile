@@ -130,12 +130,7 @@ download: setup ## the checkpoint a model's runs start from (Hub, local dir, or 
 	$(PIPE) download --model $(call q,$(MODEL)) $(if $(REVISION),--revision $(call q,$(REVISION))) $(if $(call on,FORCE),--force)
 
 data: setup ## the training text (held-out corpus for the embedded defaults)
-	$(PIPE) data --model $(call q,$(MODEL)) $(if $(DATASET),--dataset $(call q,$(DATASET))) \
-	  $(if $(DATASET_SPLIT),--split $(call q,$(DATASET_SPLIT))) $(if $(DATASET_EVAL_SPLIT),--eval-split $(call q,$(DATASET_EVAL_SPLIT))) \
-	  $(if $(DATASET_COLUMNS),--columns $(call q,$(DATASET_COLUMNS))) $(if $(DATA_SHARDS),--shards $(call q,$(DATA_SHARDS))) \
-	  $(if $(DATASET_REVISION),--dataset-revision $(call q,$(DATASET_REVISION))) $(if $(DATASET_MIRROR),--mirror $(call q,$(DATASET_MIRROR))) \
-	  $(if $(DATASET_SUBSET),--subset $(call q,$(DATASET_SUBSET))) $(if $(EVAL_SPLIT),--hold-out $(call q,$(EVAL_SPLIT))) \
-	  $(if $(SEQ_LEN),--seq-len $(call q,$(SEQ_LEN))) $(if $(CONFIG),--config $(call q,$(CONFIG))) $(if $(TARGET),--target $(call q,$(TARGET)))
+	$(PIPE) data $(DATA_FLAGS)
 
 # One target per training path, train-<path>: the paths are the registry's (`python -m pipeline paths`), e.g.
 # train-hf (Transformers v5 Qwen3 via AutoModelForCausalLM), train-native (torchtitan's own Qwen3, dense and

@@ -29,16 +29,16 @@ PARTITION||slurm: sbatch --partition (default: the cluster's default partition)
 ACCOUNT||slurm: sbatch --account
 TIME_LIMIT||slurm: sbatch --time, e.g. 04:00:00 (default: the partition's limit)
 JOB_NAME|qwen3-<model>-<path>|sbatch --job-name / the Job's name (default: qwen3-<model key>-<run name>)
+DATASET_SPLIT|train|a Hub dataset's split to copy for fine-tuning (data/hub/; runs with DATASET then read the copy)
+DATASET_EVAL_SPLIT||its held-out split, copied beside it for eval loss (e.g. test)
+DATASET_COLUMNS||our name=their column, comma-separated (messages, prompt, completion, text), e.g. messages=conversations or prompt=question,completion=answer
+DATA_SHARDS|8|DATASET=c4: train shards staged once into <checkpoints>/data/sets/c4, which the ranks read (default: what is staged, else 8)
+DATASET_REVISION|main|the Hub dataset's revision (a commit) copied, or staged for DATASET=c4; recorded with the copy
+DATASET_MIRROR||DATASET=c4: a local directory laid out like the Hub repository, read instead of the Hub
+DATASET_SUBSET||a Hub dataset's subset (config name), e.g. en; recorded with the copy
+EVAL_SPLIT|0.05 of chat data|EVAL_SPLIT: the fraction of DATASET held out for eval loss, deterministically, when the data has no held-out split (default 0.05 of chat data, 0 of text)
 MODELS|tiny tiny-moe|pipeline: the models it runs (space-separated MODEL values)
 PATHS|every path|pipeline: the training paths it runs (space-separated)
-DATASET_SPLIT|train|data: copy this split of the Hub dataset DATASET for fine-tuning (data/hub/; runs with DATASET then read the copy)
-DATASET_EVAL_SPLIT||data: its held-out split, copied beside it for eval loss (e.g. test)
-DATASET_COLUMNS||data: our column=theirs, comma-separated (messages, prompt, completion, text), e.g. messages=conversations
-DATA_SHARDS|8|data DATASET=c4: train shards staged once into <checkpoints>/data/sets/c4 (the ranks read them there)
-DATASET_REVISION|main|data: the Hub dataset's revision (commit) copied, or staged for DATASET=c4; recorded with the copy
-DATASET_SUBSET||data: the Hub dataset's subset (config name), e.g. en; recorded with the copy
-EVAL_SPLIT|0.05 of chat data|data: the fraction of DATASET (a .jsonl file or a copied Hub set without DATASET_EVAL_SPLIT) held out for eval loss, deterministically (0: none)
-DATASET_MIRROR||data DATASET=c4: a local directory laid out like the Hub repository, read instead of the Hub
 ADAPTER|0|export: 1 writes a LoRA run's adapters alone (PEFT's save_pretrained, tokenizer, card) to <run dir>/export-adapter; publish: 1 uploads those
 CHECKPOINT||verify-checkpoint: an HF directory to verify (with REFERENCE)
 REFERENCE||verify-checkpoint: the checkpoint it must match
@@ -86,3 +86,16 @@ LAUNCH_FLAGS = --nodes $(call q,$(or $(NODES),2)) \
   $(if $(ACCOUNT),--account $(call q,$(ACCOUNT))) \
   $(if $(TIME_LIMIT),--time-limit $(call q,$(TIME_LIMIT))) \
   $(if $(JOB_NAME),--job-name $(call q,$(JOB_NAME)))
+DATA_FLAGS = --model $(call q,$(MODEL)) \
+  $(if $(TARGET),--target $(call q,$(TARGET))) \
+  $(if $(CONFIG),--config $(call q,$(CONFIG))) \
+  $(if $(SEQ_LEN),--seq-len $(call q,$(SEQ_LEN))) \
+  $(if $(DATASET),--dataset $(call q,$(DATASET))) \
+  $(if $(DATASET_SPLIT),--split $(call q,$(DATASET_SPLIT))) \
+  $(if $(DATASET_EVAL_SPLIT),--eval-split $(call q,$(DATASET_EVAL_SPLIT))) \
+  $(if $(DATASET_COLUMNS),--columns $(call q,$(DATASET_COLUMNS))) \
+  $(if $(DATA_SHARDS),--shards $(call q,$(DATA_SHARDS))) \
+  $(if $(DATASET_REVISION),--dataset-revision $(call q,$(DATASET_REVISION))) \
+  $(if $(DATASET_MIRROR),--mirror $(call q,$(DATASET_MIRROR))) \
+  $(if $(DATASET_SUBSET),--subset $(call q,$(DATASET_SUBSET))) \
+  $(if $(EVAL_SPLIT),--hold-out $(call q,$(EVAL_SPLIT)))

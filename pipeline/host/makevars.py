@@ -17,39 +17,30 @@ from pipeline.run.ref import RunRef
 from pipeline.run.settings import TrainSettings
 from pipeline.training.cluster import LaunchRequest
 from pipeline.training.resolve import RunRequest
+from pipeline.training.user_data import DataRequest
 
 OUTPUT = Path(__file__).resolve().parents[2] / "make" / "variables.mk"
 COMMAND = "python -m pipeline makevars"
 
-# Make variable holding the flags → the dataclasses whose fields it passes (only the fields each declares
-# itself: RunRequest's run address is RUN_FLAGS). A stage takes them with pipeline.flags.add_flags.
+# Make variable holding the flags → (dataclass, its fields) whose Make variables it passes, as the stage
+# takes them with pipeline.flags.add_flags; None: the fields the class declares itself (RunRequest's run
+# address is RunRef's, RUN_FLAGS). A variable's row comes from the first string that passes it.
 FLAG_STRINGS = {
-    "RUN_FLAGS": (RunRef,),
-    "TRAIN_FLAGS": (RunRequest, TrainSettings),
-    "LAUNCH_FLAGS": (LaunchRequest,),
+    "RUN_FLAGS": ((RunRef, None),),
+    "TRAIN_FLAGS": ((RunRequest, None), (TrainSettings, None)),
+    "LAUNCH_FLAGS": ((LaunchRequest, None),),
+    "DATA_FLAGS": ((RunRequest, ("model", "config", "target")), (TrainSettings, ("dataset", "seq_len")),
+                   (DataRequest, None)),
 }
 # An unset TrainSettings variable leaves the value to configs/<target>.toml and CONFIG=.
 CONFIG_DECIDES = (TrainSettings,)
 
 # Variables that are no dataclass field (yet): Make's own (which venv, which models `make pipeline` runs),
-# and the flags of stages whose parsers are written by hand (data, export, eval, publish, push, image).
+# and the flags of stages whose parsers are written by hand (export, verify, eval, publish, push, image).
 # (name, default as `make help` shows it, meaning)
 MAKE_ONLY = (
     ("MODELS", "tiny tiny-moe", "pipeline: the models it runs (space-separated MODEL values)"),
     ("PATHS", "every path", "pipeline: the training paths it runs (space-separated)"),
-    ("DATASET_SPLIT", "train", "data: copy this split of the Hub dataset DATASET for fine-tuning (data/hub/; runs "
-     "with DATASET then read the copy)"),
-    ("DATASET_EVAL_SPLIT", "", "data: its held-out split, copied beside it for eval loss (e.g. test)"),
-    ("DATASET_COLUMNS", "", "data: our column=theirs, comma-separated (messages, prompt, completion, text), e.g. "
-     "messages=conversations"),
-    ("DATA_SHARDS", "8", "data DATASET=c4: train shards staged once into <checkpoints>/data/sets/c4 (the ranks read "
-     "them there)"),
-    ("DATASET_REVISION", "main", "data: the Hub dataset's revision (commit) copied, or staged for DATASET=c4; "
-     "recorded with the copy"),
-    ("DATASET_SUBSET", "", "data: the Hub dataset's subset (config name), e.g. en; recorded with the copy"),
-    ("EVAL_SPLIT", "0.05 of chat data", "data: the fraction of DATASET (a .jsonl file or a copied Hub set without "
-     "DATASET_EVAL_SPLIT) held out for eval loss, deterministically (0: none)"),
-    ("DATASET_MIRROR", "", "data DATASET=c4: a local directory laid out like the Hub repository, read instead of the Hub"),
     ("ADAPTER", "0", "export: 1 writes a LoRA run's adapters alone (PEFT's save_pretrained, tokenizer, card) to "
      "<run dir>/export-adapter; publish: 1 uploads those"),
     ("CHECKPOINT", "", "verify-checkpoint: an HF directory to verify (with REFERENCE)"),
@@ -91,10 +82,16 @@ class MakeVar:
         return f"{self.name}|{self.default}|{self.meaning}"
 
 
-def _own_fields(cls) -> list[dataclasses.Field]:
-    """The flag fields `cls` declares itself (a subclass's inherited ones are its base's string)."""
+def _make_fields(cls, names: tuple[str, ...] | None) -> list[dataclasses.Field]:
+    """The flag fields of `cls` with a Make variable: `names`, or those `cls` declares itself."""
     inherited = {f.name for base in cls.__mro__[1:] if dataclasses.is_dataclass(base) for f in dataclasses.fields(base)}
-    return [f for f in flag_fields(cls) if f.name not in inherited and "make" in f.metadata]
+    return [f for f in flag_fields(cls, names) if "make" in f.metadata and (names or f.name not in inherited)]
+
+
+def _fields() -> list[tuple[str, type, dataclasses.Field]]:
+    """(flags string, class, field) for every Make variable a string passes, in order."""
+    return [(string, cls, f) for string, selected in FLAG_STRINGS.items() for cls, names in selected
+            for f in _make_fields(cls, names)]
 
 
 def make_var(cls, field: dataclasses.Field) -> MakeVar:
@@ -121,19 +118,21 @@ def make_var(cls, field: dataclasses.Field) -> MakeVar:
 
 def make_vars() -> dict[str, list[MakeVar]]:
     """Flags string name → the Make variables of its dataclasses' fields, in field order."""
-    return {string: [make_var(cls, f) for cls in classes for f in _own_fields(cls)]
-            for string, classes in FLAG_STRINGS.items()}
+    strings: dict[str, list[MakeVar]] = {string: [] for string in FLAG_STRINGS}
+    for string, cls, f in _fields():
+        strings[string].append(make_var(cls, f))
+    return strings
 
 
 def assignments() -> list[str]:
     """`NAME ?= default` for the fields Make assigns (make_assigns)."""
-    return [f"{f.metadata['make']} ?= {f.default}" for classes in FLAG_STRINGS.values() for cls in classes
-            for f in _own_fields(cls) if f.metadata.get("make_assigns")]
+    return list(dict.fromkeys(f"{f.metadata['make']} ?= {f.default}" for _, _, f in _fields()
+                              if f.metadata.get("make_assigns")))
 
 
 def render() -> str:
     strings = make_vars()
-    rows = [v.row for found in strings.values() for v in found] + ["|".join(row) for row in MAKE_ONLY]
+    rows = list(dict.fromkeys(v.row for found in strings.values() for v in found)) + ["|".join(row) for row in MAKE_ONLY]
     names = [row.split("|")[0] for row in rows]
     duplicated = sorted({n for n in names if names.count(n) > 1})
     if duplicated:
@@ -144,8 +143,8 @@ def render() -> str:
              "define VARIABLES", *rows, "endef",
              "# Variables whose default is a value: the user may not give them empty.",
              "DEFAULTED_VARS := " + " ".join(n for n, row in zip(names, rows) if row.split("|")[1] == f"$({n})"),
-             "BOOL_VARS := " + " ".join([f.metadata["make"] for classes in FLAG_STRINGS.values() for cls in classes
-                                         for f in _own_fields(cls) if str(f.type) == "bool"] + list(MAKE_ONLY_ON_OFF))]
+             "BOOL_VARS := " + " ".join([*dict.fromkeys(f.metadata["make"] for _, _, f in _fields() if str(f.type) == "bool"),
+                                         *MAKE_ONLY_ON_OFF])]
     for string, found in strings.items():
         lines.append(f"{string} = " + " \\\n  ".join(v.flag for v in found))
     return "\n".join(lines) + "\n"
