@@ -60,11 +60,19 @@ def test_the_check_finds_a_variable_missing_from_the_table():
     assert missing_from_table(text.replace("\nSEQ_LEN|", "\nSEQ_LENGTH|")) == {"SEQ_LEN"}
 
 
-@pytest.mark.parametrize("stage, strings", [("train", ("RUN_FLAGS", "TRAIN_FLAGS")),
-                                            ("launch", ("RUN_FLAGS", "TRAIN_FLAGS", "LAUNCH_FLAGS"))])
-def test_the_flags_strings_are_flags_of_the_stage(stage, strings):
+# stage → the flags strings its Make targets pass it (the Makefile's recipes)
+PASSED = {"train": ("RUN_FLAGS", "TRAIN_FLAGS"), "launch": ("RUN_FLAGS", "TRAIN_FLAGS", "LAUNCH_FLAGS"),
+          "data": ("DATA_FLAGS",), "export": ("RUN_FLAGS",), "verify": ("RUN_FLAGS",), "eval": ("RUN_FLAGS",),
+          "publish": ("RUN_FLAGS",)}
+
+
+@pytest.mark.parametrize("stage", sorted(PASSED))
+def test_the_flags_strings_are_flags_of_the_stage(stage):
+    makefile = (REPO / "Makefile").read_text()
+    for string in PASSED[stage]:
+        assert re.search(rf"\$\((HOST_)?PIPE\) {stage} .*\$\({string}\)", makefile), (stage, string)
     _, parser = stage_parser(stage)
     vars_ = makevars.make_vars()
-    passed = {re.search(r"--[a-z-]+", v.flag).group(0) for s in strings for v in vars_[s]}
-    assert {"--model", "--seq-len", "--export-dtype", "--name"} <= passed
+    passed = {re.search(r"--[a-z-]+", v.flag).group(0) for s in PASSED[stage] for v in vars_[s]}
+    assert {"--model", "--name" if "RUN_FLAGS" in PASSED[stage] else "--seq-len"} <= passed
     assert passed <= set(parser._option_string_actions), passed - set(parser._option_string_actions)
