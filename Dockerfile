@@ -63,6 +63,7 @@ RUN if ! id -u "${PIPELINE_UID}" >/dev/null 2>&1; then \
     && chmod 1777 /home/pipeline
 COPY docker/entrypoint.sh /usr/local/bin/pipeline-entrypoint
 COPY Makefile requirements.lock requirements-dev.lock /opt/pipeline/
+COPY make/ /opt/pipeline/make/
 COPY configs/ /opt/pipeline/configs/
 COPY pipeline/ /opt/pipeline/pipeline/
 # HOME is world-writable so `docker run --user <host uid>` (files on the mounts owned by the

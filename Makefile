@@ -9,78 +9,23 @@ define newline
 
 
 endef
-# ---- variables: name, default, meaning (the one list `make help` prints and typos are checked against)
+# ---- variables: the Makefile's own defaults here; the table `make help` prints and typos are checked against,
+# and the flags each stage takes, are make/variables.mk, generated from the dataclasses (python -m pipeline makevars).
 # (an environment variable HAS_NEURON stands in for the device in tests)
 HAS_NEURON ?= $(wildcard /dev/neuron0)
 PYTHON ?= python3
 VENV ?= .venv
 MODEL ?= $(if $(HAS_NEURON),Qwen/Qwen3-4B-Instruct-2507,tiny)
 TRAIN_PATH ?= native
-DTYPE ?= bfloat16
 # On a Neuron host whose venv has no TorchNeuron (the venv `make setup` builds from requirements-dev.lock
 # never has), the stages can only run in the image: that is the default there.
 IN_CONTAINER ?= $(if $(HAS_NEURON),$(if $(wildcard $(VENV)/lib/python*/site-packages/torch_neuronx),0,1),0)
-define VARIABLES
-MODEL|$(MODEL)|Hub id (org/name), a local HF directory, or tiny / tiny-moe (embedded)
-TARGET|detected|cpu, cuda or trn2
-TRAIN_PATH|$(TRAIN_PATH)|training path of export/verify-checkpoint/launch (`python -m pipeline paths` lists them)
-MODELS|tiny tiny-moe|pipeline: the models it runs (space-separated MODEL values)
-PATHS|every path|pipeline: the training paths it runs (space-separated)
-STEPS|config|training steps
-SEQ_LEN|config|sequence length
-NPROC|config|ranks per node
-CONFIG||your config file, layered over configs/<TARGET>.toml key by key
-DATASET|config|local (the model's data/train.jsonl), a .jsonl/.txt file, a torchtitan dataset (c4) or a Hub dataset id
-DATASET_SPLIT|train|data: copy this split of the Hub dataset DATASET for fine-tuning (data/hub/; runs with DATASET then read the copy)
-DATASET_EVAL_SPLIT||data: its held-out split, copied beside it for eval loss (e.g. test)
-DATASET_COLUMNS||data: our column=theirs, comma-separated (messages, prompt, completion, text), e.g. messages=conversations
-DATA_SHARDS|8|data DATASET=c4: train shards staged once into <checkpoints>/data/sets/c4 (the ranks read them there)
-DATASET_REVISION|main|data: the Hub dataset's revision (commit) copied, or staged for DATASET=c4; recorded with the copy
-DATASET_SUBSET||data: the Hub dataset's subset (config name), e.g. en; recorded with the copy
-EVAL_SPLIT|0.05 of chat data|data: the fraction of DATASET (a .jsonl file or a copied Hub set without DATASET_EVAL_SPLIT) held out for eval loss, deterministically (0: none)
-DATASET_MIRROR||data DATASET=c4: a local directory laid out like the Hub repository, read instead of the Hub
-REVISION|configs/models.toml|Hub revision (commit) to download and train from
-TITAN_ARGS||torchtitan flags over the built config, e.g. "--training.steps 5 --lr-scheduler.warmup-steps 1" (--help lists them)
-DRY_RUN|0|1: resolve and print the run and its torchrun command, launch nothing
-RUN_NAME|TRAIN_PATH|the run's name: its folder checkpoints/<key>/runs/<name>; a re-run continues it only with the same settings
-FRESH|0|1: discard the run (its checkpoints, metrics, export and verify results) and start it again
-FORCE|0|1: replace an existing download or export; train: launch past the host-memory check (CPU)
-DTYPE|$(DTYPE)|bfloat16 or float32: the dtype a run's last step saves its model in (train, given) and the export's (narrower is a cast)
-ADAPTER|0|export: 1 writes a LoRA run's adapters alone (PEFT's save_pretrained, tokenizer, card) to <run dir>/export-adapter; publish: 1 uploads those
-CHECKPOINT||verify-checkpoint: an HF directory to verify (with REFERENCE)
-REFERENCE||verify-checkpoint: the checkpoint it must match
-NODES|2|launch-slurm / launch-eks: number of trn2 nodes; rehearse: CPU "nodes" of its two-node run (0 skips it)
-IN_CONTAINER|$(IN_CONTAINER)|1: run stages inside the pipeline image (default 1 on a Neuron host whose venv lacks torch-neuronx)
-IMAGE|lock tag|the image IN_CONTAINER uses
-BASE_IMAGE|Neuron 2.33 DLC|the image `make image` builds on
-RUNTIME|pyxis|launch-slurm: pyxis (the pushed image through enroot) or venv (VENV on the shared filesystem)
-CLUSTER_CHECKPOINTS|/fsx/checkpoints (eks: /checkpoints)|launch-*: the shared checkpoints root as the nodes see it
-PARTITION||launch-slurm: sbatch --partition
-ACCOUNT||launch-slurm: sbatch --account
-TIME_LIMIT||launch-slurm: sbatch --time (e.g. 04:00:00)
-JOB_NAME|qwen3-<model>-<path>|launch-*: the job's name
-PVC|fsx-claim|launch-eks: the PersistentVolumeClaim of the shared checkpoints
-NAMESPACE|default|launch-eks: the namespace
-EFA_DEVICES|16|launch-eks: EFA interfaces each trn2 pod requests (vpc.amazonaws.com/efa; 0 only with NODES=1)
-LAUNCH_DIR|checkpoints/<key>/launch/<scheduler>-<NODES>|launch-*: where the files are written
-EVAL_TASKS|pipeline_heldout_loglikelihood,pipeline_heldout_choice|eval: comma-separated lm-eval tasks (the local ones over the run's held-out split, or the harness's own, which need the Hub)
-EVAL_LIMIT||eval: at most this many documents per task
-HUB_REPO||publish: the Hub model repository (<user or org>/<name>) a run's verified export is uploaded to
-PUBLIC|0|publish: 1 creates the repository public (default private)
-REGISTRY||push: registry/repository to push the image to (e.g. <account>.dkr.ecr.<region>.amazonaws.com/qwen3)
-VERBOSE|0|1: every command and every line of the ranks' output (default: torchtitan's start-up log and repeated warnings hidden, errors never)
-BENCH_REPEATS|2|bench: repeats per measurement
-BENCH_ONLY|all|bench: comma-separated sections
-PYTHON|$(PYTHON)|the Python that builds .venv (3.11 or newer)
-VENV|$(VENV)|the virtual environment
-TITAN_MAIN_WHEEL|$(TITAN_MAIN_WHEEL)|test-titan-main, test-titan-sim: a wheel of upstream torchtitan main (docs/sources.md)
-endef
+include $(dir $(lastword $(MAKEFILE_LIST)))make/variables.mk
 export VARIABLES
 # Variables of other tools that users set on the command line too: passed through to the stages (and
 # by launch-* into the launch files), never refused. HF_TOKEN is a secret: from the environment only.
 EXTERNAL_VARS := HF_HOME HF_HUB_CACHE HF_HUB_OFFLINE HF_ENDPOINT PIPELINE_CHECKPOINTS DOCKER_HOST
 KNOWN_VARS := $(foreach line,$(subst $(newline),$(space),$(subst $(space),~,$(VARIABLES))),$(firstword $(subst |, ,$(line))))
-BOOL_VARS := DRY_RUN FRESH FORCE IN_CONTAINER PUBLIC ADAPTER VERBOSE
 
 # A value reaches the shell as one single-quoted word, whatever it holds (`;`, `$(…)`, backticks, `#`):
 # every user value in a recipe goes through q, never pasted bare.
@@ -107,9 +52,8 @@ endif
 # An empty value set by the user is a value, and `X ?= default` (a target's own default too: sft's RUN_NAME)
 # does not apply to it: `make sft RUN_NAME= FRESH=1` trained and replaced runs/native. Refused for every
 # variable whose default is not empty (CONFIG only where a target gives it one).
-DEFAULTED_VARS := MODEL TRAIN_PATH DTYPE IN_CONTAINER PYTHON VENV TITAN_MAIN_WHEEL RUN_NAME \
-                  $(if $(filter sft lora dpo,$(MAKECMDGOALS)),CONFIG)
-EMPTY_VARS := $(strip $(foreach v,$(DEFAULTED_VARS),$(if $(filter command line environment%,$(origin $(v))),$(if $(value $(v)),,$(v)))))
+# (DEFAULTED_VARS, from make/variables.mk: those Make gives a value; RUN_NAME and CONFIG: a target's default)
+EMPTY_VARS := $(strip $(foreach v,$(DEFAULTED_VARS) RUN_NAME $(if $(filter sft lora dpo,$(MAKECMDGOALS)),CONFIG),$(if $(filter command line environment%,$(origin $(v))),$(if $(value $(v)),,$(v)))))
 ifneq ($(EMPTY_VARS),)
 $(error error: $(firstword $(EMPTY_VARS)) is set empty, and an empty value is not its default; nothing run. Fix: leave $(firstword $(EMPTY_VARS)) out for its default, or give it a value)
 endif
@@ -136,11 +80,6 @@ LM_EVAL_VENV := .venv-lm-eval
 # kept until the session's end they left CI's disk too full for the image build that follows them. Only the
 # last session's failed tests are kept (CI machines keep /tmp between runs).
 PYTEST_TMP := -o tmp_path_retention_policy=failed -o tmp_path_retention_count=1
-TRAIN_FLAGS = --model $(call q,$(MODEL)) $(if $(TARGET),--target $(call q,$(TARGET))) $(if $(STEPS),--steps $(call q,$(STEPS))) \
-              $(if $(SEQ_LEN),--seq-len $(call q,$(SEQ_LEN))) $(if $(NPROC),--nproc-per-node $(call q,$(NPROC))) \
-              $(if $(CONFIG),--config $(call q,$(CONFIG))) $(if $(DATASET),--dataset $(call q,$(DATASET))) \
-              $(if $(REVISION),--revision $(call q,$(REVISION))) $(if $(filter-out default file,$(origin DTYPE)),--export-dtype $(call q,$(DTYPE))) $(if $(TITAN_ARGS),--titan-args=$(call q,$(TITAN_ARGS))) \
-              $(if $(call on,DRY_RUN),--dry-run) $(if $(call on,FRESH),--fresh) $(if $(call on,FORCE),--force) $(if $(RUN_NAME),--name $(call q,$(RUN_NAME)))
 HOST_PIPE := $(PY) -m pipeline
 # IN_CONTAINER=1: every stage runs inside the image (IMAGE, default the lock-derived tag) through
 # `python -m pipeline image --run`; image, doctor and launch-* always run on the host.
@@ -191,25 +130,20 @@ download: setup ## the checkpoint a model's runs start from (Hub, local dir, or 
 	$(PIPE) download --model $(call q,$(MODEL)) $(if $(REVISION),--revision $(call q,$(REVISION))) $(if $(call on,FORCE),--force)
 
 data: setup ## the training text (held-out corpus for the embedded defaults)
-	$(PIPE) data --model $(call q,$(MODEL)) $(if $(DATASET),--dataset $(call q,$(DATASET))) \
-	  $(if $(DATASET_SPLIT),--split $(call q,$(DATASET_SPLIT))) $(if $(DATASET_EVAL_SPLIT),--eval-split $(call q,$(DATASET_EVAL_SPLIT))) \
-	  $(if $(DATASET_COLUMNS),--columns $(call q,$(DATASET_COLUMNS))) $(if $(DATA_SHARDS),--shards $(call q,$(DATA_SHARDS))) \
-	  $(if $(DATASET_REVISION),--dataset-revision $(call q,$(DATASET_REVISION))) $(if $(DATASET_MIRROR),--mirror $(call q,$(DATASET_MIRROR))) \
-	  $(if $(DATASET_SUBSET),--subset $(call q,$(DATASET_SUBSET))) $(if $(EVAL_SPLIT),--hold-out $(call q,$(EVAL_SPLIT))) \
-	  $(if $(SEQ_LEN),--seq-len $(call q,$(SEQ_LEN))) $(if $(CONFIG),--config $(call q,$(CONFIG))) $(if $(TARGET),--target $(call q,$(TARGET)))
+	$(PIPE) data $(DATA_FLAGS)
 
 # One target per training path, train-<path>: the paths are the registry's (`python -m pipeline paths`), e.g.
 # train-hf (Transformers v5 Qwen3 via AutoModelForCausalLM), train-native (torchtitan's own Qwen3, dense and
 # MoE), train-nki (native Qwen3 with NKI kernels via torchtitan's override registry).
+train-%: override TRAIN_PATH = $*
 train-%: setup $(TRAIN_DEPS)
-	$(PIPE) train --path $(call q,$*) $(TRAIN_FLAGS)
+	$(PIPE) train $(RUN_FLAGS) $(TRAIN_FLAGS)
 
 export: setup ## HF safetensors of a run's last checkpoint: <run dir>/export
-	$(PIPE) export --model $(call q,$(MODEL)) --path $(call q,$(TRAIN_PATH)) $(if $(RUN_NAME),--name $(call q,$(RUN_NAME))) --dtype $(call q,$(DTYPE)) $(if $(call on,FORCE),--force) \
-	  $(if $(call on,ADAPTER),--adapter)
+	$(PIPE) export $(RUN_FLAGS) --dtype $(call q,$(DTYPE)) $(if $(call on,FORCE),--force) $(if $(call on,ADAPTER),--adapter)
 
 verify-checkpoint: setup ## reload an export: zero missing keys, tensors, step-1 loss → verify.json
-	$(PIPE) verify $(if $(CHECKPOINT),--checkpoint $(call q,$(CHECKPOINT)) --reference $(call q,$(REFERENCE)),--model $(call q,$(MODEL)) --path $(call q,$(TRAIN_PATH)) $(if $(RUN_NAME),--name $(call q,$(RUN_NAME))))
+	$(PIPE) verify $(if $(CHECKPOINT),--checkpoint $(call q,$(CHECKPOINT)) --reference $(call q,$(REFERENCE)),$(RUN_FLAGS))
 
 verify-kernels: setup ## every NKI override vs its reference (fwd+bwd), table of errors
 	$(PIPE) verify-kernels $(if $(TARGET),--target $(call q,$(TARGET)))
@@ -228,26 +162,19 @@ doctor: python-check ## what this host has vs what the pipeline needs (works bef
 	$(if $(wildcard $(VENV)/bin/python),$(PY),$(call q,$(PYTHON))) -m pipeline doctor --venv $(call q,$(VENV)) $(if $(TARGET),--target $(call q,$(TARGET))) \
 	  $(if $(call on,IN_CONTAINER),--in-container $(if $(IMAGE),--image $(call q,$(IMAGE))))
 
-# launch-* take every train-* variable (one resolution: the cluster's run.json is the dry run's) and these.
-LAUNCH_FLAGS = $(if $(IMAGE),--image $(call q,$(IMAGE))) $(if $(CLUSTER_CHECKPOINTS),--cluster-checkpoints $(call q,$(CLUSTER_CHECKPOINTS))) \
-               $(if $(JOB_NAME),--job-name $(call q,$(JOB_NAME))) $(if $(LAUNCH_DIR),--output $(call q,$(LAUNCH_DIR)))
-SLURM_FLAGS = $(if $(RUNTIME),--runtime $(call q,$(RUNTIME))) $(if $(PARTITION),--partition $(call q,$(PARTITION))) \
-              $(if $(ACCOUNT),--account $(call q,$(ACCOUNT))) $(if $(TIME_LIMIT),--time-limit $(call q,$(TIME_LIMIT)))
-EKS_FLAGS = $(if $(PVC),--pvc $(call q,$(PVC))) $(if $(NAMESPACE),--namespace $(call q,$(NAMESPACE))) \
-            $(if $(EFA_DEVICES),--efa-devices $(call q,$(EFA_DEVICES)))
-
+# launch-* take every train-* variable (one resolution: the cluster's run.json is the dry run's) and LAUNCH_FLAGS.
 launch-slurm: setup ## render an sbatch script for NODES trn2 nodes (the train-* variables, IMAGE pushed by digest)
-	$(HOST_PIPE) launch --scheduler slurm --nodes $(call q,$(or $(NODES),2)) --path $(call q,$(TRAIN_PATH)) $(TRAIN_FLAGS) $(LAUNCH_FLAGS) $(SLURM_FLAGS)
+	$(HOST_PIPE) launch --scheduler slurm $(RUN_FLAGS) $(TRAIN_FLAGS) $(LAUNCH_FLAGS)
 
 launch-eks: setup ## render Kubernetes manifests for NODES trn2 nodes (the train-* variables, IMAGE pushed by digest)
-	$(HOST_PIPE) launch --scheduler eks --nodes $(call q,$(or $(NODES),2)) --path $(call q,$(TRAIN_PATH)) $(TRAIN_FLAGS) $(LAUNCH_FLAGS) $(EKS_FLAGS)
+	$(HOST_PIPE) launch --scheduler eks $(RUN_FLAGS) $(TRAIN_FLAGS) $(LAUNCH_FLAGS)
 
 eval: setup setup-lm-eval ## a run's export through lm-evaluation-harness (EVAL_TASKS: held-out log-likelihood and multiple choice by default) → <run dir>/eval.json and the card
-	$(HOST_PIPE) eval --model $(call q,$(MODEL)) --path $(call q,$(TRAIN_PATH)) $(if $(RUN_NAME),--name $(call q,$(RUN_NAME))) \
+	$(HOST_PIPE) eval $(RUN_FLAGS) \
 	  $(if $(EVAL_TASKS),--tasks $(call q,$(EVAL_TASKS))) $(if $(EVAL_LIMIT),--limit $(call q,$(EVAL_LIMIT))) --harness $(call q,$(LM_EVAL_VENV)/bin/lm-eval)
 
 publish: setup ## upload a run's verified export (ADAPTER=1: its LoRA adapters) to the Hub repository HUB_REPO (HF_TOKEN; private unless PUBLIC=1; DRY_RUN=1 lists the files)
-	$(PIPE) publish --model $(call q,$(MODEL)) --path $(call q,$(TRAIN_PATH)) $(if $(RUN_NAME),--name $(call q,$(RUN_NAME))) \
+	$(PIPE) publish $(RUN_FLAGS) \
 	  --repo=$(call q,$(HUB_REPO)) $(if $(call on,PUBLIC),--public) $(if $(call on,DRY_RUN),--dry-run) $(if $(call on,ADAPTER),--adapter)
 
 pin: setup ## resolve once what trn2 runs on (torchtitan-neuron commit, Hub revisions, base image digest) into requirements.lock, configs/models.toml, configs/base-image.toml; prints what to commit
@@ -261,9 +188,9 @@ rehearse: setup download data ## trn2.toml's parallel plan on CPU ranks (hf, nat
 
 # Chat fine-tuning in one command: train the run, export it, verify the export.
 define FINETUNE
-$(PIPE) train --path $(call q,$(TRAIN_PATH)) $(TRAIN_FLAGS)
-$(if $(call on,DRY_RUN),,$(PIPE) export --model $(call q,$(MODEL)) --path $(call q,$(TRAIN_PATH)) --name $(call q,$(RUN_NAME)) --dtype $(call q,$(DTYPE)) --force)
-$(if $(call on,DRY_RUN),,$(PIPE) verify --model $(call q,$(MODEL)) --path $(call q,$(TRAIN_PATH)) --name $(call q,$(RUN_NAME)))
+$(PIPE) train $(RUN_FLAGS) $(TRAIN_FLAGS)
+$(if $(call on,DRY_RUN),,$(PIPE) export $(RUN_FLAGS) --dtype $(call q,$(DTYPE)) --force)
+$(if $(call on,DRY_RUN),,$(PIPE) verify $(RUN_FLAGS))
 endef
 # A second `make sft` with the same settings finds the run finished (more STEPS continues it; FRESH=1 starts again).
 sft: CONFIG ?= configs/finetune/sft.toml
@@ -275,7 +202,7 @@ lora: CONFIG ?= configs/finetune/lora.toml
 lora: RUN_NAME ?= lora
 lora: setup $(TRAIN_DEPS) ## LoRA fine-tuning on chat data (configs/finetune/lora.toml; native or nki), then export (merged weights) + verify, and the adapters alone (PEFT layout) → runs/<RUN_NAME, default lora>
 	$(FINETUNE)
-	$(if $(call on,DRY_RUN),,$(PIPE) export --model $(call q,$(MODEL)) --path $(call q,$(TRAIN_PATH)) --name $(call q,$(RUN_NAME)) --adapter --dtype float32 --force)
+	$(if $(call on,DRY_RUN),,$(PIPE) export $(RUN_FLAGS) --adapter --dtype float32 --force)
 
 dpo: CONFIG ?= configs/finetune/dpo.toml
 dpo: RUN_NAME ?= dpo

@@ -30,6 +30,7 @@ STAGES = {
     "paths": ("pipeline.stages.paths", "the training paths the registry holds (Make and the trn2 workflow read them here)"),
     "clean": ("pipeline.stages.clean", "delete what the pipeline wrote in its checkpoints root (--all: downloads too), nothing else"),
     "rehearse": ("pipeline.stages.rehearse", "run configs/trn2.toml's parallel plan on CPU ranks, and the launch files on two nodes"),
+    "makevars": ("pipeline.stages.makevars", "write make/variables.mk, the Make variables and flags the dataclasses' fields give"),
 }
 
 

@@ -5,6 +5,12 @@ Metadata keys: help (the field is a flag only with it), required, choices, words
 command line, split like a shell into the field's tuple), hidden (accepted, not listed in --help),
 default (a stage's own default for a field declared elsewhere: given through `overrides`, it makes
 the flag optional).
+
+The Make interface is generated from the same fields (pipeline.host.makevars writes make/variables.mk):
+make (the Make variable that gives the flag), make_default (the default `make help` shows when it is not
+the field's own: "detected", or "$(MODEL)" for a default the Makefile computes), make_help (what the
+variable means in Make, where it does more than this flag), make_assigns (Make assigns the field's
+default, `X ?= default`, for the stages that need a value; the flag is passed only when the user gives X).
 """
 
 from __future__ import annotations

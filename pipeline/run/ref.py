@@ -14,10 +14,12 @@ from pipeline.run.rundir import RunDir
 
 @dataclass(frozen=True)
 class RunRef:
-    model: str = flag(None, "Hub id, local HF directory, or tiny / tiny-moe", required=True)
-    path: str = flag(None, "training path", required=True)
-    name: str | None = flag(None, "the run's name, its folder runs/<name> (RUN_NAME; default: the path's name); a "
-                            "re-run continues it only with the same settings")
+    model: str = flag(None, "Hub id (org/name), a local HF directory, or tiny / tiny-moe (embedded)", required=True,
+                      make="MODEL", make_default="$(MODEL)")
+    path: str = flag(None, "training path (`python -m pipeline paths` lists them)", required=True, make="TRAIN_PATH",
+                     make_default="$(TRAIN_PATH)")
+    name: str | None = flag(None, "the run's name, its folder runs/<name> (default: the path's name); a re-run "
+                            "continues it only with the same settings", make="RUN_NAME", make_default="TRAIN_PATH")
 
     @property
     def run_name(self) -> str:

@@ -31,6 +31,7 @@ def setting(default, help: str | None = None, **facts):  # noqa: A002 - argparse
       choices    the values allowed;  minimum  the least value allowed (both checked by check_value, for
                  the config files, the flags and TITAN_ARGS alike)
       make       the Make variable that sets it; with `help` the field is also a flag of train and launch
+                 (make_assigns and the other make_* keys: pipeline.flags)
       titan      the torchtitan Trainer.Config field it sets: TITAN_ARGS changing it is folded into it
       continues  True: a run continues under another value (more STEPS continue it; run.continuation)
       condition  True: a condition of configs/models.toml's expected step-1 loss (run.expectation)
@@ -60,7 +61,7 @@ class TrainSettings:
     dtype: str = setting("float32", choices=dtypes.NAMES, titan="training.mixed_precision_param", condition=True)
     export_dtype: str = setting("bfloat16", "dtype of the model the last step saves in HF safetensors, what export "
                                 "links (float32 for exact checks; export casts it down, never up)", make="DTYPE",
-                                choices=dtypes.NAMES, continues=True)
+                                make_assigns=True, choices=dtypes.NAMES, continues=True)
     seed: int = setting(0, titan="debug.seed", workload=True)
     tensor_parallel: int = setting(1, titan="parallelism.tensor_parallel_degree")
     data_parallel_shard: int = setting(-1, titan="parallelism.data_parallel_shard_degree")

@@ -26,31 +26,17 @@ from pipeline.checkpoint import corpus
 from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_write_text
 from pipeline.run import store
-from pipeline.run.ref import RunRef
+from pipeline.run.settings import TrainSettings
 from pipeline.training.data_files import copy_split, write_embedded_data
 from pipeline.training import staged, user_data
+from pipeline.training.resolve import RunRequest
 from pipeline.training.dataset import FILE_FORMATS, HUB_ID, PREFERENCE_FILE, _copied_from, check_file, hub_copy, read_rows
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    flags.add_flags(parser, RunRef, only=("model",))
-    parser.add_argument("--dataset", help="a Hub dataset id (or a local dataset directory) to copy for fine-tuning")
-    parser.add_argument("--split", help="its split to copy (default: train)")
-    parser.add_argument("--eval-split", help="a held-out split copied beside it for eval loss (e.g. test)")
-    parser.add_argument("--shards", type=int, help="DATASET=c4: how many train shards to stage (default: "
-                                                       "what is staged, else 8)")
-    parser.add_argument("--dataset-revision", help="DATASET=c4: the Hub revision (a commit) to stage from")
-    parser.add_argument("--mirror", type=Path, help="DATASET=c4: a local directory laid out like the Hub "
-                                                    "repository, read instead of the Hub")
-    parser.add_argument("--subset", help="a Hub dataset's subset (config name), e.g. en")
-    parser.add_argument("--hold-out", type=float, help="EVAL_SPLIT: the fraction held out for eval loss when the data "
-                                                       f"has no held-out split (default {user_data.DEFAULT_CHAT_SPLIT} "
-                                                       "of chat data, 0 of text)")
-    parser.add_argument("--seq-len", type=int, help="SEQ_LEN the report counts against (default: the config's)")
-    parser.add_argument("--config", type=Path, help="your config file (its seq_len)")
-    parser.add_argument("--target", help="cpu, cuda or trn2 (its config's seq_len; detected when unset)")
-    parser.add_argument("--columns", default="", help="our name=their column, comma-separated, e.g. "
-                                                      "messages=conversations or prompt=question,completion=answer")
+    flags.add_flags(parser, RunRequest, only=("model", "config", "target"))  # train's: its seq_len, its dataset
+    flags.add_flags(parser, TrainSettings, unset_default=True, only=("dataset", "seq_len"))
+    flags.add_flags(parser, user_data.DataRequest)
 
 
 def run(args: argparse.Namespace) -> Path | None:

@@ -84,26 +84,34 @@ class LaunchRequest:
     run: RunRequest
     scheduler: str = flag(None, "slurm (an sbatch script) or eks (Kubernetes manifests)", required=True,
                           choices=("slurm", "eks"))
-    nodes: int = flag(None, "number of nodes", required=True)
+    nodes: int = flag(None, "number of nodes", required=True, make="NODES", make_default="2",
+                      make_help='launch-slurm / launch-eks: number of trn2 nodes; rehearse: CPU "nodes" of its two-node '
+                                'run (0 skips it)')
     image: str | None = flag(None, "image reference the cluster can pull, by digest (default: what `make push` pushed "
-                             "of this lock's image); slurm: or an enroot squashfs file on the shared file system")
+                             "of this lock's image); slurm: or an enroot squashfs file on the shared file system",
+                             make="IMAGE", make_default="lock tag")
     runtime: str = flag("pyxis", "slurm: run in the image via pyxis/enroot, or in a venv on the shared filesystem",
-                        choices=("pyxis", "venv"))
+                        choices=("pyxis", "venv"), make="RUNTIME")
     venv: str | None = flag(None, "slurm --runtime venv: the venv (default: this repo's .venv)")
     cluster_checkpoints: str | None = flag(None, "checkpoints directory as the nodes see it (default: "
-                                           "/fsx/checkpoints for slurm, the image's for eks)")
+                                           "/fsx/checkpoints for slurm, the image's for eks)",
+                                           make="CLUSTER_CHECKPOINTS", make_default="/fsx/checkpoints (eks: /checkpoints)")
     compile_cache: str | None = flag(None, "persistent Neuron compile cache on shared storage")
-    namespace: str = flag("default", "eks: the namespace")
-    pvc: str = flag("fsx-claim", "eks: PersistentVolumeClaim holding the checkpoints")
+    namespace: str = flag("default", "eks: the namespace", make="NAMESPACE")
+    pvc: str = flag("fsx-claim", "eks: PersistentVolumeClaim holding the checkpoints", make="PVC")
     efa_devices: int = flag(targets.TRN2.efa_devices, "eks: EFA interfaces each trn2 pod requests "
-                            "(vpc.amazonaws.com/efa; 0: none, one node only)")
-    output: Path | None = flag(None, "where to write (default: checkpoints/<key>/launch/<scheduler>-<N>)")
+                            "(vpc.amazonaws.com/efa; 0: none, one node only)", make="EFA_DEVICES")
+    output: Path | None = flag(None, "where to write (default: checkpoints/<key>/launch/<scheduler>-<N>)", make="LAUNCH_DIR",
+                               make_default="checkpoints/<key>/launch/<scheduler>-<NODES>")
     run_dir: str | None = flag(None, "the run's directory as the nodes see it (default: <cluster checkpoints>/<key>/"
                                "runs/<name>)")
-    partition: str | None = flag(None, "slurm: sbatch --partition (default: the cluster's default partition)")
-    account: str | None = flag(None, "slurm: sbatch --account")
-    time_limit: str | None = flag(None, "slurm: sbatch --time, e.g. 04:00:00 (default: the partition's limit)")
-    job_name: str | None = flag(None, "sbatch --job-name / the Job's name (default: qwen3-<model key>-<run name>)")
+    partition: str | None = flag(None, "slurm: sbatch --partition (default: the cluster's default partition)",
+                                   make="PARTITION")
+    account: str | None = flag(None, "slurm: sbatch --account", make="ACCOUNT")
+    time_limit: str | None = flag(None, "slurm: sbatch --time, e.g. 04:00:00 (default: the partition's limit)",
+                                    make="TIME_LIMIT")
+    job_name: str | None = flag(None, "sbatch --job-name / the Job's name (default: qwen3-<model key>-<run name>)",
+                                  make="JOB_NAME", make_default="qwen3-<model>-<path>")
     local_image_ok: bool = False  # the rehearsal runs the pods' command here: no image is pulled
 
 

@@ -35,17 +35,22 @@ class RunRequest(RunRef):
     "not given" (configs decide). Fields with help are the `train` stage's flags (pipeline.flags),
     TrainSettings' flag fields come in `flags`."""
 
-    target: str | None = flag(None, "cpu, cuda or trn2 (train: detected when unset; launch: trn2)")
-    config: Path | None = flag(None, "your config file, layered over configs/<target>.toml key by key")
-    revision: str | None = flag(None, "the Hub revision the run must start from (as downloaded)")
+    target: str | None = flag(None, "cpu, cuda or trn2 (train: detected when unset; launch: trn2)", make="TARGET",
+                              make_default="detected")
+    config: Path | None = flag(None, "your config file, layered over configs/<target>.toml key by key", make="CONFIG")
+    revision: str | None = flag(None, "the Hub revision the run must start from (as downloaded)", make="REVISION",
+                                make_default="configs/models.toml")
     titan_args: tuple[str, ...] = flag((), "torchtitan flags applied over the built config, e.g. "
                                        "--titan-args='--training.steps 5 --lr-scheduler.warmup-steps 1' ('--help' lists "
-                                       "them)", words=True)
+                                       "them)", words=True, make="TITAN_ARGS")
     dry_run: bool = flag(False, "resolve and print the run (train: and its torchrun command; launch: and its files); "
-                         "launch and write nothing")
-    fresh: bool = flag(False, "discard this run (checkpoints, metrics, export, verify.json) and start it again")
+                         "launch and write nothing", make="DRY_RUN")
+    fresh: bool = flag(False, "discard this run (checkpoints, metrics, export, verify.json) and start it again",
+                       make="FRESH")
     force: bool = flag(False, "launch on CPU even when the ranks' memory estimate is more than this host has "
-                              "(a warning instead of the refusal)")
+                              "(a warning instead of the refusal)", make="FORCE",
+                       make_help="1: replace an existing download or export; train: launch past the host-memory "
+                                 "check (CPU)")
     flags: dict = field(default_factory=dict)  # TrainSettings fields given on the command line (STEPS=…)
     checkpoints_root: Path | None = None  # where the nodes see checkpoints/ (launch); default this host's
     settings: TrainSettings | None = None  # given whole (rehearse): no config file is read, flags still apply

@@ -19,12 +19,38 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.errors import PipelineError
+from pipeline.flags import flag
 from pipeline.fsutil import atomic_directory, atomic_write_text
 from pipeline.training.staged import SETS
 
 DEFAULT_CHAT_SPLIT = 0.05
 RECORD = "source.json"
 TRAIN, HELD_OUT = "train.jsonl", "eval.jsonl"
+
+
+@dataclass(frozen=True)
+class DataRequest:
+    """What `make data` asks for beyond the model and the settings it shares with train (DATASET, SEQ_LEN,
+    CONFIG, TARGET): how a Hub dataset is copied, c4 staged and a held-out split made. Its fields are the
+    `data` stage's flags (pipeline.flags) and Make variables (pipeline.host.makevars)."""
+
+    split: str | None = flag(None, "a Hub dataset's split to copy for fine-tuning (data/hub/; runs with DATASET then "
+                             "read the copy)", make="DATASET_SPLIT", make_default="train")
+    eval_split: str | None = flag(None, "its held-out split, copied beside it for eval loss (e.g. test)",
+                                  make="DATASET_EVAL_SPLIT")
+    columns: str = flag("", "our name=their column, comma-separated (messages, prompt, completion, text), e.g. "
+                        "messages=conversations or prompt=question,completion=answer", make="DATASET_COLUMNS")
+    shards: int | None = flag(None, "DATASET=c4: train shards staged once into <checkpoints>/data/sets/c4, which the "
+                              "ranks read (default: what is staged, else 8)", make="DATA_SHARDS", make_default="8")
+    dataset_revision: str | None = flag(None, "the Hub dataset's revision (a commit) copied, or staged for DATASET=c4; "
+                                        "recorded with the copy", make="DATASET_REVISION", make_default="main")
+    mirror: Path | None = flag(None, "DATASET=c4: a local directory laid out like the Hub repository, read instead "
+                               "of the Hub", make="DATASET_MIRROR")
+    subset: str | None = flag(None, "a Hub dataset's subset (config name), e.g. en; recorded with the copy",
+                              make="DATASET_SUBSET")
+    hold_out: float | None = flag(None, "EVAL_SPLIT: the fraction of DATASET held out for eval loss, deterministically, "
+                                  f"when the data has no held-out split (default {DEFAULT_CHAT_SPLIT} of chat data, 0 "
+                                  "of text)", make="EVAL_SPLIT", make_default=f"{DEFAULT_CHAT_SPLIT} of chat data")
 
 
 @dataclass(frozen=True)

@@ -155,7 +155,8 @@ def test_on_a_neuron_host_stages_run_in_the_image_unless_the_venv_has_torchneuro
     """README trn2 recipe: on a fresh trn2 host (`make setup`'s venv has no Neuron packages) every stage
     runs in the image without IN_CONTAINER being set; a venv with torch_neuronx runs them itself."""
     neuron = {"HAS_NEURON": "/dev/neuron0"}
-    assert " -m pipeline image  --run train --path 'native'" in _make_n("train-native", "DRY_RUN=1", **neuron)
+    in_image = _make_n("train-native", "DRY_RUN=1", **neuron)
+    assert " -m pipeline image  --run train " in in_image and " --path 'native' " in in_image
     assert "--in-container" in _make_n("doctor", **neuron)
     venv = tmp_path / "neuron-venv"
     (venv / "lib" / "python3.14" / "site-packages" / "torch_neuronx").mkdir(parents=True)

@@ -116,6 +116,7 @@ def test_make_setup_reuses_a_venv_whose_stamp_the_lock_was_touched_to(tmp_path):
     work.mkdir()
     (work / "requirements-dev.lock").write_text((REPO / "requirements-dev.lock").read_text())  # newer than the stamp
     shutil.copy(REPO / "Makefile", work / "Makefile")
+    shutil.copytree(REPO / "make", work / "make")  # the variables it includes
     env = {**os.environ, "VENV": str(venv)}
     stale = subprocess.run(["make", "-n", "-C", str(work), "setup"], env=env, capture_output=True, text=True)
     assert "pip install" in stale.stdout, stale.stdout + stale.stderr
