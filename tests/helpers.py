@@ -216,7 +216,7 @@ C4_MARKER = "Otters ledger the tidepool inventory at dawn"
 
 def c4_stand_in(directory: Path, shards: int = 3, docs: int = 4) -> Path:
     """A local stand-in laid out like allenai/c4 (the Hub is unreachable here): en/c4-train.0000X-of-01024.json.gz,
-    gzipped JSON lines of text/timestamp/url, as DATASET_MIRROR (pipeline.training.staged)."""
+    gzipped JSON lines of text/timestamp/url, as DATASET_MIRROR (pipeline.data.staged)."""
     import gzip
 
     (directory / "en").mkdir(parents=True)

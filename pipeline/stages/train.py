@@ -3,7 +3,7 @@
 `--path` chooses the training path (pipeline.models.registry); everything else — launcher,
 data, metrics, checkpoints — is shared. A dry run resolves and validates everything, prints the
 resolved run and the exact command, and launches nothing. The launch itself (the run's lock,
-torchrun's output, the one-line diagnosis of a failure) is pipeline.training.launcher.
+torchrun's output, the one-line diagnosis of a failure) is pipeline.launch.launcher.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from pipeline.models import registry
 from pipeline.run import continuation, targets
 from pipeline.run.rundir import RunDir
 from pipeline.titan import internals
-from pipeline.training import memory, torchrun
-from pipeline.training.launcher import launch, memory_line
+from pipeline.launch import torchrun
+from pipeline.training import memory
+from pipeline.launch.launcher import launch, memory_line
 from pipeline.run.settings import TrainSettings
 from pipeline.training.resolve import RunRequest, resolve
 
