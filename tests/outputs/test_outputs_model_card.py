@@ -7,7 +7,7 @@ import json
 
 from pipeline.outputs import model_card
 from pipeline.run.rundir import RunDir
-from test_run_continuation import recorded_run, resolved
+from helpers import recorded_run, resolved
 
 
 def test_the_card_says_what_the_checkpoint_is_without_host_paths(tmp_path):
