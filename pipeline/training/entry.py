@@ -103,7 +103,8 @@ def build_config(spec: RunSpec):
         ),
         checkpoint=WeightsCheckpointManager.Config(
             enable=True,
-            folder="checkpoint",
+            folder=rundir.CHECKPOINT,  # under dump_folder, the run directory
+            run_dir=str(run_dir),
             interval=s.checkpoint_interval,
             initial_load_path=spec.source_dir,
             initial_load_in_hf=True,
