@@ -3,8 +3,8 @@
 The flow: download → data → train → export / verify → report (publish, rehearse beside them).
 Packages, each importing only what it builds on (docs/design.md, tests/project/test_project_import_graph.py):
   errors, fsutil,  one exception type users read; atomic writes; the dtype table; the environment
-  dtypes, envvars, variables' names; command lines generated from dataclasses
-  flags, console   (and the launcher's console filter)
+  dtypes, envvars, variables' names; command lines generated from dataclasses; the filter over the
+  flags, console   ranks' output
   checkpoint/      HF checkpoint directories: architecture, validation, embedded models and their corpus,
                    manifests
   run/             records: settings, targets, the run spec, a run directory, the model store

@@ -23,11 +23,10 @@ from pipeline import envvars
 from pipeline.errors import PipelineError
 from pipeline.flags import flag
 from pipeline.fsutil import atomic_write_text
-from pipeline.launch import pushed
-from pipeline.run import rundir, store, targets
+from pipeline.launch import pushed, torchrun
 from pipeline.launch.image import IMAGE, default_tag
+from pipeline.run import rundir, store, targets
 from pipeline.run.spec import RunSpec
-from pipeline.launch import torchrun
 from pipeline.training.memory import host_need
 from pipeline.training.resolve import RunRequest, resolve
 

@@ -22,12 +22,12 @@ from pathlib import Path
 
 from pipeline import flags
 from pipeline.errors import Check, PipelineError
+from pipeline.launch import launcher, rehearsal_runs
 from pipeline.models import registry
 from pipeline.outputs import export, verify
 from pipeline.run import store
 from pipeline.run.ref import RunRef
 from pipeline.run.rundir import RunDir
-from pipeline.launch import launcher, rehearsal_runs
 from pipeline.training import rehearsal
 from pipeline.training.resolve import RunRequest, resolve
 

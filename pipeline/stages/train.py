@@ -16,14 +16,14 @@ from pathlib import Path
 
 from pipeline import flags
 from pipeline.errors import PipelineError
+from pipeline.launch import torchrun
+from pipeline.launch.launcher import launch, memory_line
 from pipeline.models import registry
 from pipeline.run import continuation, targets
 from pipeline.run.rundir import RunDir
-from pipeline.titan import internals
-from pipeline.launch import torchrun
-from pipeline.training import memory
-from pipeline.launch.launcher import launch, memory_line
 from pipeline.run.settings import TrainSettings
+from pipeline.titan import internals
+from pipeline.training import memory
 from pipeline.training.resolve import RunRequest, resolve
 
 
