@@ -46,7 +46,7 @@ PYEOF
 DATA=$($PY -c "import sys; from pipeline.run import store; print(store.home(sys.argv[1]).data_file)" "$MODEL")
 # torchtitan.train cannot register a local dataset from its CLI: register ours as "c4", then run its main.
 $PY -m torch.distributed.run --standalone --nnodes=1 --nproc-per-node=1 --tee=3 --log-dir="$OUT/bare/logs" \
-  -c "import sys; from pipeline.training import dataset as d; from torchtitan.hf_datasets.text_datasets import DATASETS; n = d.register(d.resolve('$DATA', None)); DATASETS['c4'] = DATASETS.pop(n); from torchtitan.train import main; sys.argv[1:] = open('$OUT/bare_args').read().split(); main()" \
+  -c "import sys; from pipeline.data import dataset as d; from torchtitan.hf_datasets.text_datasets import DATASETS; n = d.register(d.resolve('$DATA', None)); DATASETS['c4'] = DATASETS.pop(n); from torchtitan.train import main; sys.argv[1:] = open('$OUT/bare_args').read().split(); main()" \
   2>&1 | tee "$OUT/bare.log" || echo "bare torchtitan run failed: see $OUT/bare.log" >&2
 
 # 3. tiny: step 1 in bf16 on the GPU and in fp32 on the CPU (same data, same first batch).

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from pipeline.run import targets
 from pipeline.run.rundir import RunDir
-from pipeline.training import memory, torchrun
+from pipeline.launch import torchrun
+from pipeline.training import memory
 from pipeline.training.resolve import RunRequest, resolve
 
 REPO = Path(__file__).resolve().parent.parent

@@ -11,7 +11,7 @@
 #   image-packages.txt        base + added: every package the image will hold (doctor checks it)
 #   lock.txt                  the lock this was made from
 #   refused.txt               only when the base has a package the code depends on (CORE_PACKAGES,
-#                             comma-separated; pipeline/run/image.py names them) outside the lock's pin
+#                             comma-separated; pipeline/launch/image.py names them) outside the lock's pin
 # Usage: CORE_PACKAGES=torch,... make-wheelhouse.sh PYTHON LOCK [OUT]
 set -eu
 python="$1"

@@ -80,9 +80,9 @@ def pytest_report_header(config):
 SLOW_FIXTURES = {"checkpoints", "tiny_root", "export_runs"}
 # The tests of the modules that talk to torchtitan (its configs, model, loaders, trainer, names): what the
 # simulated "main after #4328" tier (`make test-titan-sim`) runs of the fast tier, marked `titan`.
-TITAN_TESTS = ("titan/", "models/", "checkpoint/test_checkpoint_arch_flops.py", "training/test_training_chat.py",
-               "training/test_training_dataset.py", "training/test_training_memory.py",
-               "training/test_training_titan_flags.py", "training/test_training_titan_assets.py",
+TITAN_TESTS = ("titan/", "models/", "checkpoint/test_checkpoint_arch_flops.py", "data/test_data_chat.py",
+               "data/test_data_dataset.py", "training/test_training_memory.py",
+               "training/test_training_titan_flags.py",
                "host/test_host_doctor_titan.py")
 
 

@@ -216,7 +216,7 @@ C4_MARKER = "Otters ledger the tidepool inventory at dawn"
 
 def c4_stand_in(directory: Path, shards: int = 3, docs: int = 4) -> Path:
     """A local stand-in laid out like allenai/c4 (the Hub is unreachable here): en/c4-train.0000X-of-01024.json.gz,
-    gzipped JSON lines of text/timestamp/url, as DATASET_MIRROR (pipeline.training.staged)."""
+    gzipped JSON lines of text/timestamp/url, as DATASET_MIRROR (pipeline.data.staged)."""
     import gzip
 
     (directory / "en").mkdir(parents=True)
@@ -226,3 +226,24 @@ def c4_stand_in(directory: Path, shards: int = 3, docs: int = 4) -> Path:
         with gzip.open(directory / "en" / f"c4-train.{shard:05d}-of-01024.json.gz", "wt") as handle:
             handle.write("".join(json.dumps(r) + "\n" for r in rows))
     return directory
+
+
+def recorded_run(directory: Path, spec, steps_done: int = 2) -> rundir.RunDir:
+    """A run directory as a finished run leaves it: run.json, metrics, every rank's DCP shards."""
+    spec.run_dir = str(directory)
+    rundir.RunDir(Path(spec.run_dir)).save_spec(spec)
+    run = rundir.RunDir(directory)
+    run.metrics.write_text("".join(json.dumps({"step": s, "loss": 5.0}) + "\n" for s in range(1, steps_done + 1)))
+    step = run.step_dir(steps_done)
+    step.mkdir(parents=True)
+    (step / ".metadata").write_bytes(b"x")
+    for rank in range(spec.world_size):
+        (step / f"__{rank}_0.distcp").write_bytes(b"x")
+    return run
+
+
+def resolved(root: Path):
+    """The embedded tiny's native CPU run under `root`, resolved as a dry run resolves it."""
+    from pipeline.training.resolve import RunRequest, resolve
+
+    return resolve(RunRequest(model="tiny", path="native", target="cpu", dry_run=True, checkpoints_root=root))

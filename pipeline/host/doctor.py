@@ -27,7 +27,7 @@ from pathlib import Path
 from pipeline import envvars
 from pipeline.errors import PipelineError
 from pipeline.run import store, targets
-from pipeline.run.image import IMAGE
+from pipeline.launch.image import IMAGE
 
 # Free space under checkpoints/: a 4B bf16 checkpoint plus two fp32 DCP checkpoints with optimizer state.
 DISK_GIB = {"trn2": 200, "cuda": 200, "cpu": 2}
@@ -303,7 +303,7 @@ def checks(target: str, lock: Path, host: Host = Host(), packages: str = "proble
 
 def image_rows(target: str, image: str | None, engine=None) -> list[Check]:
     """The pipeline image: present, and its packages checked inside it."""
-    from pipeline.run.image import default_tag
+    from pipeline.launch.image import default_tag
 
     image = image or default_tag(store.REPO / "requirements.lock", os.environ.get("BASE_IMAGE"))
     try:
@@ -382,9 +382,9 @@ def _recorded_commit(name: str) -> str | None:
 
 
 def core_package_rows(lock: Path, installed: dict[str, str], commit_of=_recorded_commit) -> list[Check]:
-    """The packages the pipeline's code depends on (pipeline/run/image.py) against the lock's pins: the
+    """The packages the pipeline's code depends on (pipeline/launch/image.py) against the lock's pins: the
     image keeps the base's versions, and for these a version outside the lock's is a FAIL naming both."""
-    from pipeline.run.image import CORE_PACKAGES, COMMIT
+    from pipeline.launch.image import CORE_PACKAGES, COMMIT
 
     rows = []
     for requirement in _requirements(lock):

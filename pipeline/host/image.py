@@ -26,7 +26,7 @@ from pathlib import Path
 from pipeline import envvars
 from pipeline.errors import PipelineError
 from pipeline.run import digest_key, store, targets
-from pipeline.run.image import IMAGE, CORE_PACKAGES, DEFAULT_BASE_IMAGE, check_lock, lock_sha256
+from pipeline.launch.image import IMAGE, CORE_PACKAGES, DEFAULT_BASE_IMAGE, check_lock, lock_sha256
 
 # Where pip inside the base image finds what the lock adds (a user's PIP_INDEX_URL/PIP_EXTRA_INDEX_URL
 # wins): PyPI, then AWS's Neuron pip repository and PyTorch's CPU wheel index, as AWS's TorchNeuron

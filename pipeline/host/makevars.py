@@ -15,9 +15,9 @@ from pathlib import Path
 from pipeline.flags import flag_fields
 from pipeline.run.ref import RunRef
 from pipeline.run.settings import TrainSettings
-from pipeline.training.cluster import LaunchRequest
+from pipeline.launch.cluster import LaunchRequest
 from pipeline.training.resolve import RunRequest
-from pipeline.training.user_data import DataRequest
+from pipeline.data.user_data import DataRequest
 
 OUTPUT = Path(__file__).resolve().parents[2] / "make" / "variables.mk"
 COMMAND = "python -m pipeline makevars"

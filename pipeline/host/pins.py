@@ -30,7 +30,7 @@ from pathlib import Path
 from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_write_text
 from pipeline.run import expectation, store
-from pipeline.run import image as image_names
+from pipeline.launch import image as image_names
 
 LOCK = store.REPO / "requirements.lock"
 MODELS_TOML = expectation.MODELS_TOML

@@ -2,7 +2,7 @@
 
 `python -m pipeline push --registry <registry>/<repo>` tags the local image (default: this lock's
 qwen3-pipeline:lock-<hash>) as <registry>/<repo>:lock-<hash>, pushes it through the Docker SDK with
-each layer's progress shown, and records <registry>/<repo>@sha256:<digest> (pipeline/run/pushed.py),
+each layer's progress shown, and records <registry>/<repo>@sha256:<digest> (pipeline/launch/pushed.py),
 which `make launch-slurm` / `launch-eks` then put in the launch files. Logging in is the user's docker
 credentials' business (`docker login`, a credential helper such as ECR's); nothing here handles secrets.
 """

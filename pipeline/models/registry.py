@@ -62,7 +62,7 @@ class TensorParallelPlan:
 # torchtitan's Qwen3 sharding (models/qwen3/sharding.py): attention, dense FFN, routed experts (on
 # their hidden dim), embedding and lm_head (vocab); norms and the router replicated.
 NATIVE_TP_PLAN = TensorParallelPlan(("attention", "mlp", "experts", "embedding", "lm_head"), True, True)
-# models/hf.py's root_tp_plan and layer_tp_plan: the same Megatron layout for attention, the dense MLP,
+# models/hf/parallelize.py's root_tp_plan and layer_tp_plan: the same Megatron layout for attention, the dense MLP,
 # the embedding and lm_head (vocab-sharded logits, vocab-parallel loss) and sequence parallelism;
 # Qwen3-MoE's experts and router replicated (one fused tensor per projection, routed by index ops).
 HF_TP_PLAN = TensorParallelPlan(("attention", "mlp", "embedding", "lm_head"), True, True)

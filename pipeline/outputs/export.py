@@ -28,7 +28,8 @@ from pipeline.checkpoint.arch import Qwen3Arch, load_arch
 from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_directory, give_ordinary_modes, regular_file
 from pipeline.models import registry
-from pipeline.run import model_card, rundir
+from pipeline.outputs import model_card
+from pipeline.run import rundir
 from pipeline.run.rundir import RunDir
 
 SINGLE_FILE = "model.safetensors"  # save_pretrained's name for an unsharded checkpoint (no index)

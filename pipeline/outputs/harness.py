@@ -149,7 +149,7 @@ def summary(results: dict) -> dict:
 def evaluate(run, tasks: list[str], harness: Path, limit: int | None = None) -> dict:
     """The run's export through the harness → <run dir>/eval.json (and a line in the export's card)."""
     from pipeline.checkpoint import manifest
-    from pipeline.run import model_card
+    from pipeline.outputs import model_card
 
     spec = run.spec()
     export = run.export

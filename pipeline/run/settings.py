@@ -82,7 +82,7 @@ class TrainSettings:
     eval_every: int = 0
     eval_steps: int = 4
     eval_dataset: str = ""
-    # The tokenizer the data is encoded with (pipeline/titan/tokenizer.py; its files: training/titan_assets.py):
+    # The tokenizer the data is encoded with (pipeline/titan/tokenizer.py; its files: titan/assets.py):
     # the source checkpoint's own, or torchtitan's test tokenizer (AWS's smoke run; configs/models.toml).
     tokenizer: str = setting("model", choices=("model", "titan-test"), condition=True)
     tensorboard: bool = True

@@ -28,10 +28,10 @@ class RunSpec:
     arch: Qwen3Arch
     settings: TrainSettings
     # settings.dataset (DATASET=) resolved: file | titan | hub, and the file read for kind file
-    # (pipeline.training.dataset)
+    # (pipeline.data.dataset)
     data_kind: str = "file"
     data_file: str | None = None
-    data_format: str = "text"  # text | chat (conversations, loss on assistant tokens: pipeline.training.chat)
+    data_format: str = "text"  # text | chat (conversations, loss on assistant tokens: pipeline.data.chat)
     eval_file: str | None = None  # the held-out file eval loss is computed on (settings.eval_every > 0), or None
     peak_flops_per_rank: float | None = None
     overrides: list = field(default_factory=list)  # torchtitan override.imports entries

@@ -15,12 +15,13 @@ from pathlib import Path
 
 from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_write_text
-from pipeline.run import pushed, store
+from pipeline.launch import pushed
+from pipeline.run import store
 
 # What clean deletes in a model folder: what the stages make from the download (ModelHome's folders).
 DERIVED = ("runs", "data", "report", "launch", "rehearse")
-# The data the stages share under the root: staged C4 shards and splits of a user's files (pipeline.training.staged's
-# SETS), and the files launch carried to a cluster (training.cluster); spelled here: this stage is standard library only.
+# The data the stages share under the root: staged C4 shards and splits of a user's files (pipeline.data.staged's
+# SETS), and the files launch carried to a cluster (launch.cluster); spelled here: this stage is standard library only.
 SHARED_DATA = Path("data")
 SHARED_SETS = (SHARED_DATA / "sets", SHARED_DATA / "carried")
 

@@ -9,10 +9,10 @@ A Hub dataset for fine-tuning (DATASET=org/name with DATASET_SPLIT and/or DATASE
 copied once: `datasets.load_dataset(id, split=…)`, columns renamed to the pipeline's (messages,
 prompt/completion or text; e.g. messages=conversations), every record checked, written to
 data/hub/<org>--<name>.jsonl with a record of where it came from. Training with DATASET=org/name
-then reads that copy, chat or text as its keys say (pipeline.training.dataset).
+then reads that copy, chat or text as its keys say (pipeline.data.dataset).
 
 DATASET=c4 stages a number of its shards once into the checkpoints root at a pinned revision
-(pipeline.training.staged), which every rank then reads instead of streaming from the Hub.
+(pipeline.data.staged), which every rank then reads instead of streaming from the Hub.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_write_text
 from pipeline.run import store
 from pipeline.run.settings import TrainSettings
-from pipeline.training.data_files import copy_split, write_embedded_data
-from pipeline.training import staged, user_data
+from pipeline.data.data_files import copy_split, write_embedded_data
+from pipeline.data import staged, user_data
 from pipeline.training.resolve import RunRequest
-from pipeline.training.dataset import FILE_FORMATS, HUB_ID, PREFERENCE_FILE, _copied_from, check_file, hub_copy, read_rows
+from pipeline.data.dataset import FILE_FORMATS, HUB_ID, PREFERENCE_FILE, _copied_from, check_file, hub_copy, read_rows
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

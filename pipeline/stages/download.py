@@ -15,7 +15,8 @@ from pathlib import Path
 
 from pipeline import flags
 from pipeline.checkpoint import hf_dir
-from pipeline.run import sources, store
+from pipeline.launch import sources
+from pipeline.run import store
 from pipeline.run.ref import RunRef
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from pipeline import envvars
 from pipeline.host.image import BuildSpec, build, container_run, run_in_image
 from pipeline.run import store
-from pipeline.run.image import DEFAULT_BASE_IMAGE, build_key, default_tag
+from pipeline.launch.image import DEFAULT_BASE_IMAGE, build_key, default_tag
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,5 +1,5 @@
 """Stage `launch`: render multi-node launch files (Slurm sbatch, EKS manifests); torchrun does the
-launching, never this code (the renderers: pipeline.training.cluster)."""
+launching, never this code (the renderers: pipeline.launch.cluster)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 from pipeline import flags
 from pipeline.models import registry
 from pipeline.run.settings import TrainSettings
-from pipeline.training.cluster import RUN_FLAGS, LaunchRequest, plan, render, write
+from pipeline.launch.cluster import RUN_FLAGS, LaunchRequest, plan, render, write
 from pipeline.training.resolve import RunRequest
 
 

@@ -7,8 +7,8 @@ import argparse
 
 from pipeline.host.image import client
 from pipeline.host.push import check_registry, push
-from pipeline.run import pushed
-from pipeline.run.image import default_tag
+from pipeline.launch import pushed
+from pipeline.launch.image import default_tag
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

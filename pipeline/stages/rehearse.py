@@ -10,7 +10,7 @@ For one model, into checkpoints/<key>/rehearse/:
                  two "nodes" on this machine (c10d rendezvous on 127.0.0.1, one CPU rank each)
   rehearse.json  every difference from trn2.toml with its reason, every check and measurement
 A check that fails makes the stage fail (one line naming it) after everything ran.
-(The checks and their tolerances: pipeline.training.rehearsal_runs.)
+(The checks and their tolerances: pipeline.launch.rehearsal_runs.)
 """
 
 from __future__ import annotations
@@ -22,12 +22,13 @@ from pathlib import Path
 
 from pipeline import flags
 from pipeline.errors import Check, PipelineError
+from pipeline.launch import launcher, rehearsal_runs
 from pipeline.models import registry
 from pipeline.outputs import export, verify
 from pipeline.run import store
 from pipeline.run.ref import RunRef
 from pipeline.run.rundir import RunDir
-from pipeline.training import launcher, rehearsal, rehearsal_runs
+from pipeline.training import rehearsal
 from pipeline.training.resolve import RunRequest, resolve
 
 SCHEDULERS = ("slurm", "eks")

@@ -3,7 +3,7 @@
 `--path` chooses the training path (pipeline.models.registry); everything else — launcher,
 data, metrics, checkpoints — is shared. A dry run resolves and validates everything, prints the
 resolved run and the exact command, and launches nothing. The launch itself (the run's lock,
-torchrun's output, the one-line diagnosis of a failure) is pipeline.training.launcher.
+torchrun's output, the one-line diagnosis of a failure) is pipeline.launch.launcher.
 """
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ from pathlib import Path
 
 from pipeline import flags
 from pipeline.errors import PipelineError
+from pipeline.launch import torchrun
+from pipeline.launch.launcher import launch, memory_line
 from pipeline.models import registry
 from pipeline.run import continuation, targets
 from pipeline.run.rundir import RunDir
-from pipeline.titan import internals
-from pipeline.training import memory, torchrun
-from pipeline.training.launcher import launch, memory_line
 from pipeline.run.settings import TrainSettings
+from pipeline.titan import internals
+from pipeline.training import memory
 from pipeline.training.resolve import RunRequest, resolve
 
 

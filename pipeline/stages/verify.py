@@ -11,7 +11,8 @@ from pipeline.checkpoint import manifest
 from pipeline.errors import PipelineError
 from pipeline.models import registry
 from pipeline.outputs.verify import Verification, verify
-from pipeline.run import model_card, rundir
+from pipeline.outputs import model_card
+from pipeline.run import rundir
 from pipeline.run.ref import RunRef
 from pipeline.run.rundir import RunDir
 

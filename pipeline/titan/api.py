@@ -93,7 +93,7 @@ def drop_batch_dim(tensor, added: bool):
 
 
 def text_dataloader(source, registered_name: str):
-    """torchtitan's text loader over the pipeline's DataSource (pipeline.training.dataset).
+    """torchtitan's text loader over the pipeline's DataSource (pipeline.data.dataset).
 
     0.3.0: HuggingFaceTextDataLoader by the name the source is registered under in its DATASETS.
     main: the Grain loader over the same source, tokenised by torchtitan's TextProcessor and packed
@@ -178,7 +178,7 @@ def forward_signature_of(parent_forward):
 
 
 # torchtitan's own text datasets and the path each reads (hf_datasets/text_datasets.py DATASETS), named
-# here so the launcher checks DATASET= without importing torchtitan; tests/training/test_training_dataset.py
+# here so the launcher checks DATASET= without importing torchtitan; tests/data/test_data_dataset.py
 # keeps each equal to its variant's registry. main reads c4_test's JSON file, 0.3.0 its folder.
 TITAN_DATASETS = {
     V030: {"c4": "allenai/c4", "c4_test": "tests/assets/c4_test", "c4_validation": "allenai/c4"},

@@ -178,7 +178,7 @@ class PreferenceValidator(Validator):
 
 
 class PreferenceTrainer(PipelineTrainer):
-    """PipelineTrainer whose step is DPO's (module docstring) on batches of pair rows (pipeline.training.preference)."""
+    """PipelineTrainer whose step is DPO's (module docstring) on batches of pair rows (pipeline.data.preference)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(PipelineTrainer.Config):

@@ -157,7 +157,7 @@ PUBLIC_NAMES = (
            _n(f"{COMMON}.rope", "RoPE.Config", "", field="max_context_length")),
           "RoPE cache length, sized at the run's seq_len (max_seq_len → max_context_length, #4121)"),
     _n("torchtitan.trainer", "Trainer", "the trainer PipelineTrainer extends (titan/trainer.py)"),
-    _n("torchtitan.protocols.model", "BaseModel", "the hf path's model class (models/hf.py)"),
+    _n("torchtitan.protocols.model", "BaseModel", "the hf path's model class (models/hf/model.py)"),
     _n("torchtitan.protocols.model", "BaseModel.Config.update_from_config", "the hf path's length check",
        parameter="config"),
     _n("torchtitan.protocols.module", "Module", "LoRA's frozen configs are traversed as Module configs"),

@@ -1,6 +1,6 @@
 """A tokenizer read from a directory of its own rather than the trainer's hf_assets_path, which also
 names the checkpoint the weights come from: training Qwen3's weights on torchtitan's test tokenizer
-(AWS's smoke run, pipeline/training/titan_assets.py) needs the two apart. torchtitan 0.3.0 and
+(AWS's smoke run, pipeline/titan/assets.py) needs the two apart. torchtitan 0.3.0 and
 upstream main both build the tokenizer as `config.tokenizer.build(tokenizer_path=hf_assets_path)`."""
 
 from __future__ import annotations

@@ -173,6 +173,10 @@ class WeightsCheckpointManager(accessors.checkpoint_manager_base()):
         lora_rank: int = 0
         lora_alpha: float = 16.0
         kv_heads: int = 0  # the model's, for LoRA's merge into the fused wqkv's wq/wk/wv
+        run_dir: str = ""
+        """The run's directory (pipeline.run.rundir.RunDir): where the digests, saves.jsonl and the HF
+        saves' record live. Given, not derived from a step folder, so the checkpoint folder's place in
+        the run directory is RunDir's alone to know."""
         tied_embeddings: bool = False
         """The model's lm_head is its embedding. When the source checkpoint (initial_load_path) stores
         it anyway (some Hub repos do), the HF save keeps it too, where torchtitan's adapters drop it,
@@ -183,6 +187,7 @@ class WeightsCheckpointManager(accessors.checkpoint_manager_base()):
 
     def __init__(self, config: Config, **kwargs):
         super().__init__(config, **kwargs)
+        self.run = RunDir(Path(config.run_dir))
         if config.lora_rank > 0:
             self.lora = (config.lora_rank, config.lora_alpha, config.kv_heads)
         self.stored_tied_head = config.tied_embeddings and _stores_lm_head(config.initial_load_path)
@@ -196,7 +201,7 @@ class WeightsCheckpointManager(accessors.checkpoint_manager_base()):
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
             # DCP's rank 0 wrote .metadata: its digest is what a resume checks before unpickling it
             # (first, so a kill right after the save leaves the step resumable)
-            RunDir(Path(self.step_folder(step)).parent.parent).record_dcp_digest(step)
+            self.run.record_dcp_digest(step)
         hf_s = None
         if last_step:
             started = time.perf_counter()
@@ -214,7 +219,7 @@ class WeightsCheckpointManager(accessors.checkpoint_manager_base()):
         record = {"step": step, "dcp_s": dcp_s, "hf_s": hf_s,
                   "dcp_bytes": sum(p.stat().st_size for p in directory.iterdir() if p.is_file()),
                   "hf_bytes": sum(p.stat().st_size for p in hf.iterdir() if p.is_file()) if hf.is_dir() else 0}
-        with open(RunDir(directory.parent.parent).saves, "a") as handle:
+        with open(self.run.saves, "a") as handle:
             handle.write(json.dumps(record) + "\n")
 
     reference = None  # titan.dpo.Reference of a DPO run: the starting weights, taken once they are loaded
@@ -238,7 +243,7 @@ class WeightsCheckpointManager(accessors.checkpoint_manager_base()):
 
     def hf_dtype(self, step: int) -> str | None:
         """The dtype step-N/hf was saved in, None when the step has no (readable) HF save."""
-        return RunDir(Path(self.step_folder(step)).parent.parent).hf_weights_dtype(step)
+        return self.run.hf_weights_dtype(step)
 
     @torch.no_grad()
     def save_hf(self, step: int) -> None:

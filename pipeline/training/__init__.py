@@ -1,4 +1,4 @@
-"""From data to ranks: the data files (`data_files`), `resolve` makes the RunSpec, `torchrun` its launch
-command, `launcher` runs it under the run's lock, `entry` is what every rank runs (RunSpec → torchtitan
-Trainer.Config → train); `cluster` renders the same run for Slurm and EKS, `rehearsal` and `rehearsal_runs`
-rehearse the trn2 plan on CPU ranks."""
+"""A run resolved and trained: `resolve` makes the RunSpec from settings, flags and the checkpoint
+(TITAN_ARGS folded in by `titan_flags`, memory checked by `memory`), `entry` is what every rank runs
+(RunSpec → torchtitan Trainer.Config → train), and `rehearsal` resolves the trn2 plan rehearsed on CPU
+ranks. Data is pipeline.data's; starting the ranks is pipeline.launch's."""

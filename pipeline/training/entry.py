@@ -24,7 +24,7 @@ from pipeline.run import diskspace, rundir
 from pipeline.run.spec import RunSpec
 from pipeline.titan import api, patches
 from pipeline.titan.args import apply_titan_args
-from pipeline.training import chat, dataset, preference
+from pipeline.data import chat, dataset, preference
 
 MEMORY_KIND = {"cpu": "peak RSS (CPU)", "cuda": "CUDA reserved", "trn2": "HBM reserved"}
 
@@ -38,9 +38,9 @@ def _activation_checkpoint(kind: str):
 def _tokenizer(spec: RunSpec):
     """TrainSettings.tokenizer: the source's own (hf_assets_path) or torchtitan's test tokenizer."""
     from pipeline.titan.tokenizer import DirectoryTokenizer
-    from pipeline.training import titan_assets
+    from pipeline.titan import assets
 
-    return DirectoryTokenizer.Config(directory=titan_assets.tokenizer_dir(spec.settings.tokenizer, spec.source_dir))
+    return DirectoryTokenizer.Config(directory=assets.tokenizer_dir(spec.settings.tokenizer, spec.source_dir))
 
 
 def build_config(spec: RunSpec):
@@ -103,7 +103,8 @@ def build_config(spec: RunSpec):
         ),
         checkpoint=WeightsCheckpointManager.Config(
             enable=True,
-            folder="checkpoint",
+            folder=rundir.CHECKPOINT,  # under dump_folder, the run directory
+            run_dir=str(run_dir),
             interval=s.checkpoint_interval,
             initial_load_path=spec.source_dir,
             initial_load_in_hf=True,
@@ -223,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
             raise
         problem, fix = diskspace.full_disk_failure(full, Path(spec.run_dir))
         # failure.json is a few bytes, and the rank's stderr (torchrun's --tee log) is on that disk too:
-        # either may fail now; the launcher then names the full disk itself (pipeline.training.launcher._failure).
+        # either may fail now; the launcher then names the full disk itself (pipeline.launch.launcher._failure).
         with contextlib.suppress(OSError):
             rundir.RunDir(Path(spec.run_dir)).record_failure(rank, problem, fix)
         with contextlib.suppress(OSError):

@@ -22,9 +22,9 @@ from pipeline.run import store, targets
 from pipeline.run.ref import RunRef
 from pipeline.run.settings import TrainSettings
 from pipeline.run.spec import RunSpec
-from pipeline.training import dataset
+from pipeline.data import dataset
 from pipeline.training import memory
-from pipeline.training import titan_assets
+from pipeline.titan import assets
 
 HUB_CONFIGS = store.HUB_CONFIGS
 
@@ -78,7 +78,7 @@ def resolve(request: RunRequest) -> RunSpec:
                            root=home.root)
     eval_file = dataset.eval_file(cfg, data, home.data_file, check_local=not request.dry_run)
     if not request.dry_run:
-        titan_assets.tokenizer_dir(cfg.tokenizer, str(source_dir))  # found before any rank starts
+        assets.tokenizer_dir(cfg.tokenizer, str(source_dir))  # found before any rank starts
     spec = RunSpec(
         model=request.model, model_key=home.source.key, path=path.name, target=target.name,
         source_dir=str(source_dir), run_dir=str(request.directory or request.run_dir(home.root).path), arch=arch, settings=cfg,
@@ -183,7 +183,7 @@ def check_preference(spec: RunSpec) -> None:
         raise PipelineError(f"DPO runs with tensor_parallel = 1 only (this run: {s.tensor_parallel}).",
                             "set tensor_parallel = 1 (FSDP shards the model across the ranks instead).")
     try:
-        from pipeline.training.preference import check_api
+        from pipeline.data.preference import check_api
 
         check_api()
     except ModuleNotFoundError:  # a launcher without torchtitan (the ranks run in the image): each rank checks it

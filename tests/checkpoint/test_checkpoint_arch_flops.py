@@ -26,7 +26,7 @@ def _native_count(arch, seq_len):
 
 
 def _hf_count(config_json, seq_len):
-    from pipeline.models.hf import HFQwen3
+    from pipeline.models.hf.model import HFQwen3
 
     config = HFQwen3.Config(config_json=config_json)
     with torch.device("meta"):

@@ -50,7 +50,7 @@ def test_another_transformers_is_refused(monkeypatch):
 def test_the_data_stage_writes_the_held_out_documents(tmp_path):
     import json
 
-    from pipeline.training import data_files as data
+    from pipeline.data import data_files as data
 
     written = data.write_local_data(tmp_path / "train.jsonl")
     lines = [json.loads(line)["text"] for line in Path(written).read_text().splitlines()]

@@ -10,7 +10,7 @@ import pytest
 
 from pipeline import console
 from pipeline.console import NOISE, RankOutputFilter
-from pipeline.training import launcher
+from pipeline.launch import launcher
 
 T = "[rank0]:[titan] 2026-12-04 18:47:21,150 - root - "
 # Lines as a CPU run of `make pipeline` printed them (one of each kind of known noise).

@@ -411,7 +411,7 @@ def _tiny_spec(root: Path):
 
 def test_launch_refuses_a_disk_without_room_for_a_save(world, monkeypatch):
     from pipeline.errors import PipelineError
-    from pipeline.training import launcher as train
+    from pipeline.launch import launcher as train
 
     spec = _tiny_spec(world.root)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12 - 1000, 1000))
@@ -445,7 +445,7 @@ def test_a_failed_save_on_a_full_disk_is_recorded_with_its_cause(tmp_path):
     RuntimeError: the rank digs the ENOSPC out of it and records it in failure.json, which the
     launcher prints."""
     from pipeline.run.rundir import RunDir
-    from pipeline.training import launcher as train
+    from pipeline.launch import launcher as train
 
     spec = _tiny_spec(tmp_path / "root")
     run_json = RunDir(Path(spec.run_dir)).save_spec(spec)
@@ -458,7 +458,7 @@ def test_a_failed_save_on_a_full_disk_is_recorded_with_its_cause(tmp_path):
 
 def test_the_launcher_names_a_full_disk_when_no_rank_could_say(tmp_path, monkeypatch):
     from pipeline.run.rundir import RunDir
-    from pipeline.training import launcher as train
+    from pipeline.launch import launcher as train
 
     spec = _tiny_spec(tmp_path / "root")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12, 0))

@@ -251,7 +251,8 @@ def test_the_digest_key_is_made_once_0600_outside_the_root_and_checked(tmp_path,
 
 def test_a_cpu_run_needing_more_memory_than_the_host_has_is_refused_before_launch(world, monkeypatch, capsys):
     from pipeline.errors import PipelineError
-    from pipeline.training import launcher, memory
+    from pipeline.launch import launcher
+    from pipeline.training import memory
     from test_e2e_hostile_inputs import _tiny_spec
 
     spec = _tiny_spec(world.root)
@@ -301,7 +302,7 @@ def test_the_disk_check_expects_what_a_save_really_writes(trained_root, tmp_path
 def test_a_launch_with_a_key_others_can_read_is_refused_before_torchrun(world, tmp_path, monkeypatch):
     from pipeline import envvars
     from pipeline.errors import PipelineError
-    from pipeline.training import launcher
+    from pipeline.launch import launcher
     from test_e2e_hostile_inputs import _tiny_spec
 
     key = tmp_path / "shared-key"

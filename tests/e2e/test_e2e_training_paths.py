@@ -45,7 +45,7 @@ def test_chat_sft_masks_the_prompts_on_the_installed_api(root):
     """Multi-turn chat SFT (make sft's settings) on the installed API: the logged step-1 loss is plain
     transformers' over the recorded batch, whose labels keep only the assistant turns (so the mask and
     each conversation's own positions reached the model as recorded), and eval loss is logged."""
-    from pipeline.training import chat
+    from pipeline.data import chat
 
     run_pipeline("train", "--model", "tiny", "--path", "native", "--steps", "3", "--dataset", "chat",
                  "--config", "configs/finetune/sft.toml", "--name", "sft-e2e", "--export-dtype", "float32", root=root)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from pipeline import envvars
 from pipeline.host import image as image_stage
-from pipeline.run.image import IMAGE_REPO, default_tag, lock_sha256
+from pipeline.launch.image import IMAGE_REPO, default_tag, lock_sha256
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -16,7 +16,7 @@ import docker
 import pytest
 
 from helpers import REPO, fake_trn2_host
-from pipeline.run.image import CORE_PACKAGES
+from pipeline.launch.image import CORE_PACKAGES
 from pipeline.host import doctor
 from pipeline.titan import internals
 

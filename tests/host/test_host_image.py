@@ -22,7 +22,7 @@ import pytest
 
 import container_image
 from container_image import BASE_TAG, MEASURE, PIP_ENV, PIP_MOUNTS
-from pipeline.run.image import default_tag, lock_sha256
+from pipeline.launch.image import default_tag, lock_sha256
 from pipeline.host import image as image_stage
 from helpers import REPO, copy_model, read_metrics, run_dir, run_pipeline
 

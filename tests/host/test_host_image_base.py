@@ -255,7 +255,7 @@ def test_dockerfile_default_base_is_the_codes():
     import re
     import tomllib
 
-    from pipeline.run.image import DEFAULT_BASE_IMAGE
+    from pipeline.launch.image import DEFAULT_BASE_IMAGE
 
     (default,) = re.findall(r"^ARG BASE_IMAGE=(\S+)$", (REPO / "Dockerfile").read_text(), re.M)
     pin = tomllib.loads((REPO / "configs" / "base-image.toml").read_text())

@@ -12,7 +12,7 @@ import pytest
 from helpers import REPO
 from pipeline.errors import PipelineError
 from pipeline.host import pins
-from pipeline.run import image
+from pipeline.launch import image
 
 FORK = "a" * 40
 HUB = "b" * 40
@@ -54,7 +54,7 @@ def _resolve(tree, asked, base_image=None):
 def test_the_committed_files_need_pinning_and_are_pinned_once(tree):
     """Today's files hold the placeholder, "main" and no digest: after `make pin` the lock passes the image
     build's check, PIPELINE_REQUIRE_PINNED accepts the revisions, and the default base is pinned by digest."""
-    from pipeline.run.image import check_lock
+    from pipeline.launch.image import check_lock
 
     with pytest.raises(PipelineError, match="COMMIT-UNKNOWN"):
         check_lock(tree["requirements.lock"])

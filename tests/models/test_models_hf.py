@@ -1,4 +1,4 @@
-"""pipeline/models/hf.py, the hf training path for real: transformers' Qwen3 under torchtitan,
+"""pipeline/models/hf/, the hf training path for real: transformers' Qwen3 under torchtitan,
 2 gloo ranks, against native and transformers."""
 
 import json
@@ -82,6 +82,7 @@ def test_packed_documents_see_only_themselves(model):
 
     from pipeline.checkpoint.embedded import EMBEDDED
     from pipeline.models import hf as hf_model
+    from pipeline.models.hf.model import hf_config
 
     torch.manual_seed(0)
     config_json = dict(EMBEDDED[model].config)
@@ -90,7 +91,7 @@ def test_packed_documents_see_only_themselves(model):
     model_.to_empty(device="cpu")
     with torch.no_grad():
         model_.init_states()
-    reference = AutoModelForCausalLM.from_config(hf_model.hf_config(config_json), dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_config(hf_config(config_json), dtype=torch.float32)
     # RoPE was recomputed after meta init, not left as uninitialised memory.
     assert torch.equal(model_.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq)
     model_.load_state_dict(reference.state_dict(), strict=True)  # same keys as transformers'

@@ -53,5 +53,5 @@ def test_every_pipeline_name_bench_uses_exists(path):
 
 def test_a_moved_name_is_caught():
     checked, missing = missing_names("from pipeline.stages.train import host_need\n"
-                                     "from pipeline.training import dataset as d; d.register(d.nowhere('x'))\n")
-    assert checked == 4 and missing == ["pipeline.stages.train.host_need", "pipeline.training.dataset.nowhere"]
+                                     "from pipeline.data import dataset as d; d.register(d.nowhere('x'))\n")
+    assert checked == 4 and missing == ["pipeline.stages.train.host_need", "pipeline.data.dataset.nowhere"]

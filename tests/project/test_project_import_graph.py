@@ -1,8 +1,8 @@
 """The module graph: every pipeline module imports on its own in a fresh interpreter; the graph of
 pipeline-internal imports (module level, inside functions, importlib.import_module of a constant) has
-no cycle; and no module imports a layer above its own:
-core (errors, fsutil, dtypes, envvars, flags, console) < checkpoint < run < titan < models < training < outputs < host < stages (< __main__);
-and a stage imports no other stage: each is a thin command line over the packages below it."""
+no cycle; a module imports only from its own package and the packages its package is declared to build
+on (DEPENDS, directly or through them); and a stage imports no other stage: each is a thin command line
+over the packages below it."""
 
 from __future__ import annotations
 
@@ -16,7 +16,24 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "pipeline"
-LAYERS = ("core", "checkpoint", "run", "titan", "models", "training", "outputs", "host", "stages", "cli")
+CORE = ("errors", "fsutil", "dtypes", "envvars", "flags", "console")  # pipeline/*.py: the "core" package
+# Each package → the packages it builds on directly; it may import those and, through them, what they build
+# on. A graph, not a line: data and models both build on titan and know nothing of each other, and outputs
+# reads runs back without the data, training or launch code that made them.
+DEPENDS = {
+    "core": (),
+    "checkpoint": ("core",),  # HF checkpoint directories, the embedded models and their corpus
+    "run": ("checkpoint",),  # records with no torch: settings, targets, run.json, run directories, the store
+    "titan": ("run",),  # torchtitan glue
+    "models": ("titan",),  # the training paths' models
+    "data": ("titan",),  # what a run trains on (torchtitan's dataset registry, its tokenizer)
+    "training": ("models", "data"),  # a run resolved (launcher side) and trained (rank side)
+    "launch": ("training",),  # torchrun, the launcher, cluster files, the image, the download
+    "outputs": ("models",),  # export, verify, report, the model card
+    "host": ("launch",),  # doctor, image builds, pins, push
+    "stages": ("host", "outputs"),
+    "cli": ("stages",),  # pipeline/__main__.py
+}
 
 
 def modules() -> dict[str, Path]:
@@ -100,13 +117,26 @@ def find_cycle(graph: dict[str, dict[str, int]]) -> list[str] | None:
     return None
 
 
-def layer(module: str) -> int:
+def package(module: str) -> str:
     parts = module.split(".")
-    if len(parts) == 1 or parts[1] in ("errors", "fsutil", "dtypes", "envvars", "flags", "console"):
-        return LAYERS.index("core")
-    if parts[1] == "__main__":
-        return LAYERS.index("cli")
-    return LAYERS.index(parts[1])
+    if len(parts) == 1 or parts[1] in CORE:
+        return "core"
+    return "cli" if parts[1] == "__main__" else parts[1]
+
+
+def reachable(depends: dict[str, tuple[str, ...]], start: str) -> set[str]:
+    """The packages `start` builds on, directly or through others (itself excluded unless a cycle leads back)."""
+    found: set[str] = set()
+    todo = list(depends[start])
+    while todo:
+        name = todo.pop()
+        if name not in found:
+            found.add(name)
+            todo.extend(depends[name])
+    return found
+
+
+ALLOWED = {name: reachable(DEPENDS, name) for name in DEPENDS}
 
 
 def test_the_graph_sees_the_imports_it_must():
@@ -129,10 +159,31 @@ def test_no_import_cycle():
         pytest.fail("import cycle:\n  " + "\n  ".join(lines))
 
 
-def test_no_module_imports_a_layer_above_its_own():
-    upward = [f"{m} ({LAYERS[layer(m)]}) imports {t} ({LAYERS[layer(t)]}) at {MODULES[m].relative_to(REPO)}:{line}"
-              for m, targets in sorted(GRAPH.items()) for t, line in sorted(targets.items()) if layer(t) > layer(m)]
-    assert not upward, "\n".join(upward)
+def test_every_package_is_declared():
+    """A new package (a new room) states what it builds on before anything may import it."""
+    packages = {package(m) for m in MODULES}
+    assert packages == set(DEPENDS), f"declare in DEPENDS: {sorted(packages - set(DEPENDS))}; " \
+                                     f"gone: {sorted(set(DEPENDS) - packages)}"
+
+
+def test_the_declared_graph_has_no_cycle():
+    assert not [name for name in DEPENDS if name in ALLOWED[name]]
+    assert all(target in DEPENDS for targets in DEPENDS.values() for target in targets)
+
+
+def test_the_declared_graph_keeps_the_rooms_apart():
+    """The graph is not vacuous: the rooms that must not see each other do not."""
+    assert {"launch", "training", "stages", "models"}.isdisjoint(ALLOWED["data"])
+    assert {"data", "training", "launch"}.isdisjoint(ALLOWED["outputs"])
+    assert "data" not in ALLOWED["models"] and "launch" not in ALLOWED["training"]
+    assert ALLOWED["stages"] == set(DEPENDS) - {"stages", "cli"}
+
+
+def test_no_module_imports_outside_what_its_package_builds_on():
+    outside = [f"{m} ({package(m)}) imports {t} ({package(t)}) at {MODULES[m].relative_to(REPO)}:{line}"
+               for m, targets in sorted(GRAPH.items()) for t, line in sorted(targets.items())
+               if package(t) != package(m) and package(t) not in ALLOWED[package(m)]]
+    assert not outside, "\n".join(outside)
 
 
 def test_no_stage_imports_another_stage():

@@ -13,7 +13,7 @@ from helpers import REPO
 HOMES = [
     ("run.json's file name", r'"run\.json"', "pipeline/run/rundir.py"),
     ("the run spec's JSON form", r"json\.dumps\(\s*(self|spec)\.to_dict\(\)", "pipeline/run/spec.py"),
-    ("paths inside the image", r"/opt/pipeline|\"/checkpoints\"|\"/hf-cache", "pipeline/run/image.py"),
+    ("paths inside the image", r"/opt/pipeline|\"/checkpoints\"|\"/hf-cache", "pipeline/launch/image.py"),
     ("the Neuron device glob", r"neuron\[0-9\]", "pipeline/run/targets.py"),
     ("the LNC variable", r'"NEURON_LOGICAL_NC_CONFIG"', "pipeline/run/targets.py"),
     ("trn2 per-node counts", r"(DEVICES|_NODE)\w* = 16\b", "pipeline/run/targets.py"),
@@ -24,6 +24,9 @@ HOMES = [
     ("configs/models.toml's loader", r'"models\.toml"', "pipeline/run/expectation.py"),
     ("the pipeline's environment variables", r'"PIPELINE_\w+"',
      "pipeline/envvars.py"),
+    ("the module every rank runs", r'"pipeline\.training\.entry"', "pipeline/launch/torchrun.py"),
+    ("the chat and preference data files' names", r'"(chat|preference)(_eval)?\.jsonl"', "pipeline/data/dataset.py"),
+    ("the pushed-image record's file name", r'"images\.json"', "pipeline/launch/pushed.py"),
 ]
 SOURCES = sorted([*REPO.glob("pipeline/**/*.py"), *REPO.glob("bench/*.py"), *REPO.glob("bench/*.sh")])
 
@@ -42,6 +45,7 @@ def test_the_check_finds_a_copy(tmp_path):
     samples = {'"run.json"': 0, 'json.dumps(spec.to_dict(), indent=2)': 1, '"/opt/pipeline-venv/bin/python"': 2,
                'glob("/dev/neuron[0-9]*")': 3, '"NEURON_LOGICAL_NC_CONFIG"': 4, "NEURON_DEVICES = 16": 5,
                '{"F32": "float32"}': 6, '{"float32": 4, "bfloat16": 2}': 7, '("tokenizer_config.json",)': 8,
-               'CONFIG_DIR / "models.toml"': 9, 'os.environ.get("PIPELINE_CHECKPOINTS")': 10}
+               'CONFIG_DIR / "models.toml"': 9, 'os.environ.get("PIPELINE_CHECKPOINTS")': 10,
+               '["-m", "pipeline.training.entry"]': 11, 'data / "chat_eval.jsonl"': 12, 'root / "images.json"': 13}
     for sample, index in samples.items():
         assert re.search(HOMES[index][1], sample), (HOMES[index][0], sample)

@@ -1,4 +1,4 @@
-"""requirements.lock and run/image.py: no wildcard pins, torchtitan-neuron named as pip sees it and
+"""requirements.lock and launch/image.py: no wildcard pins, torchtitan-neuron named as pip sees it and
 pinned to a commit (a placeholder refused by `make image` with a clear message), so the image tag made
 from the lock's hash means one set of packages (issue 12, finding 5)."""
 
@@ -13,7 +13,7 @@ from packaging.requirements import Requirement
 
 from helpers import REPO
 from pipeline.errors import PipelineError
-from pipeline.run import image
+from pipeline.launch import image
 
 LOCK = REPO / "requirements.lock"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

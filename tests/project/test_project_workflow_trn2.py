@@ -213,7 +213,7 @@ def test_every_matrix_model_fits_trn2s_plan():
 
 def test_unpinned_revision_is_refused_where_required(monkeypatch):
     from pipeline.run import store
-    from pipeline.run import sources as download
+    from pipeline.launch import sources as download
 
     source = store.parse_model("Qwen/Qwen3-4B-Instruct-2507")
     monkeypatch.setenv(download.REQUIRE_PINNED, "1")

@@ -13,28 +13,8 @@ from pipeline.errors import PipelineError
 from pipeline.run import continuation
 from pipeline.run.rundir import RunDir
 from pipeline.run.spec import RunSpec
-from helpers import c4_stand_in, cli, copy_model, run_dir as runs_dir
+from helpers import c4_stand_in, cli, copy_model, recorded_run, resolved, run_dir as runs_dir
 from tiny_checkpoint import ok, one_error_line
-
-
-def recorded_run(directory: Path, spec: RunSpec, steps_done: int = 2) -> RunDir:
-    """A run directory as a finished run leaves it: run.json, metrics, every rank's DCP shards."""
-    spec.run_dir = str(directory)
-    RunDir(Path(spec.run_dir)).save_spec(spec)
-    run = RunDir(directory)
-    run.metrics.write_text("".join(json.dumps({"step": s, "loss": 5.0}) + "\n" for s in range(1, steps_done + 1)))
-    step = run.step_dir(steps_done)
-    step.mkdir(parents=True)
-    (step / ".metadata").write_bytes(b"x")
-    for rank in range(spec.world_size):
-        (step / f"__{rank}_0.distcp").write_bytes(b"x")
-    return run
-
-
-def resolved(root: Path) -> RunSpec:
-    from pipeline.training.resolve import RunRequest, resolve
-
-    return resolve(RunRequest(model="tiny", path="native", target="cpu", dry_run=True, checkpoints_root=root))
 
 
 @pytest.fixture

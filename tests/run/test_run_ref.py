@@ -21,7 +21,7 @@ def test_the_run_dir_is_runs_name_defaulting_to_the_path(tmp_path):
 
 
 def test_the_requests_take_the_address_from_runref():
-    from pipeline.training.cluster import LaunchRequest
+    from pipeline.launch.cluster import LaunchRequest
     from pipeline.training.resolve import RunRequest
 
     address = [f.name for f in flags.flag_fields(RunRef)]

@@ -14,12 +14,12 @@ import subprocess
 from helpers import REPO
 from pipeline.checkpoint.arch import arch_from_config
 from pipeline.run import targets
-from pipeline.run.image import IMAGE
+from pipeline.launch.image import IMAGE
 from pipeline.run.settings import CONFIG_DIR, TrainSettings
 from pipeline.training import memory
 from pipeline.host import image
 from pipeline.stages import launch as launch_stage
-from pipeline.training import cluster
+from pipeline.launch import cluster
 
 OLD = "NEURON_COMPILE_CACHE_URL"
 NEW = "TORCH_NEURONX_NEFF_CACHE_DIR"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import PipelineError
-from pipeline.training import dataset
+from pipeline.data import dataset
 from helpers import REPO, read_metrics, run_dir, run_pipeline
 
 

@@ -17,8 +17,8 @@ import pytest
 
 from helpers import REPO, run_pipeline
 from pipeline.models import registry
-from pipeline.run.image import IMAGE
-from pipeline.training import rehearsal_runs as stage
+from pipeline.launch.image import IMAGE
+from pipeline.launch import rehearsal_runs as stage
 
 PATHS = registry.names()
 MODELS = ["tiny", "tiny-moe"]
@@ -147,7 +147,7 @@ def test_two_nodes_run_the_rendered_commands(rehearsals):
 
             import yaml
 
-            from pipeline.training import cluster as launch
+            from pipeline.launch import cluster as launch
 
             (container,) = [d for d in yaml.safe_load_all(rendered) if d["kind"] == "Job"][0]["spec"]["template"][
                 "spec"]["containers"]

@@ -152,16 +152,16 @@ def test_the_trn2_memory_table_in_the_docs_is_the_estimate():
 
 
 def test_hf_registry_plan_is_the_plan_hf_py_applies():
-    """The hf entry's TensorParallelPlan against models/hf.py's ParallelStyles: a part is sharded exactly
+    """The hf entry's TensorParallelPlan against models/hf/parallelize.py's ParallelStyles: a part is sharded exactly
     when its modules get a Colwise/Rowwise style (the rest are replicated on every tp rank)."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    from pipeline.models import hf
+    from pipeline.models.hf import parallelize
 
     declared = registry.get("hf").tp_plan
-    styles = {**hf.root_tp_plan(True), **hf.layer_tp_plan(True, is_moe=False)}
-    moe_styles = hf.layer_tp_plan(True, is_moe=True)
+    styles = {**parallelize.root_tp_plan(True), **parallelize.layer_tp_plan(True, is_moe=False)}
+    moe_styles = parallelize.layer_tp_plan(True, is_moe=True)
     modules = {"attention": [styles[f"self_attn.{p}_proj"] for p in "qkvo"],
                "mlp": [styles[f"mlp.{p}_proj"] for p in ("gate", "up", "down")],
                "experts": [moe_styles["mlp.experts"]], "router": [moe_styles["mlp.gate"]],

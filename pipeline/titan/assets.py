@@ -7,7 +7,7 @@ torchtitan reads it relative to the working directory (Trainer.Config's default 
 torchtitan-neuron is installed from one (`pip install -e .` in its clone, docs/sources.md), so the
 installed package's checkout is looked in too, after the working directory, and the rank is given
 the absolute path. Found without importing torchtitan (the launcher never imports it). `c4_test`
-(tests/assets/c4_test) is found the same way (pipeline.training.dataset.titan_dataset_file).
+(tests/assets/c4_test) is found the same way (pipeline.data.dataset.titan_dataset_file).
 """
 
 from __future__ import annotations

@@ -4,11 +4,11 @@ each rank with torchtitan's dataset registry (so torchtitan's own HF text loader
   local             the model's data/train.jsonl (written by `make data`)
   chat              the model's data/chat.jsonl: conversations (`make data`, embedded models)
   a .jsonl file     JSON lines, each an object with a "text" string, or chat records: "messages"
-                    (system/user/assistant turns) or "prompt"/"completion" (pipeline.training.chat),
+                    (system/user/assistant turns) or "prompt"/"completion" (pipeline.data.chat),
                     told apart by the first record's keys
   a .txt file       plain UTF-8 text, one document per paragraph (blank-line separated)
   c4                its shards staged once into <root>/data/sets/c4 (`make data DATASET=c4`,
-                    pipeline.training.staged), read as local files by every rank; trn2's default
+                    pipeline.data.staged), read as local files by every rank; trn2's default
   c4_test, …        a torchtitan dataset (titan.api.titan_datasets())
   org/name          a Hub dataset: its local copy when `make data DATASET=org/name DATASET_SPLIT=…`
                     wrote one (hub_copy: fine-tuning sets, chat or text, any split and column
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from pipeline.errors import PipelineError
 from pipeline.titan import api
-from pipeline.training import staged, user_data
+from pipeline.data import staged, user_data
 
 LOCAL = "local"
 FILE_FORMATS = {".jsonl": "json", ".txt": "text"}
@@ -188,7 +188,7 @@ def _check_lines(handle, where: str) -> str:
 
 def check_record(line: str, where: str, number: int, form: str | None = None) -> str:
     """One JSON line against the file's format (None: this line decides it); returns the format."""
-    from pipeline.training import chat, preference
+    from pipeline.data import chat, preference
 
     try:
         record = json.loads(line)
@@ -282,15 +282,15 @@ def count_documents(path: Path, enough: int) -> int:
 def titan_dataset_file(name: str, required: bool = True) -> str | None:
     """Where a torchtitan dataset read from local files (c4_test: tests/assets/…, relative to the working
     directory in torchtitan's registry) is, found the way torchtitan's test tokenizer is
-    (pipeline.training.titan_assets: the working directory, else the installed torchtitan's source
+    (pipeline.titan.assets: the working directory, else the installed torchtitan's source
     checkout, which the image's torchtitan-neuron is installed from). None for a Hub dataset, and when not
     `required` (a dry run or a cluster launch: the ranks look for it where they run)."""
-    from pipeline.training import titan_assets
+    from pipeline.titan import assets
 
     relative = api.titan_datasets()[name]
     if HUB_ID.fullmatch(relative):
         return None
-    found = titan_assets.find(relative)
+    found = assets.find(relative)
     if found is None and required:
         raise PipelineError(f"DATASET={name} reads torchtitan's {relative}, found neither in {Path.cwd()} nor in "
                             "the installed torchtitan's source checkout.",
@@ -309,7 +309,7 @@ def register(source: DataSource, name: str | None = None) -> str:
         if location is not None:
             api.relocate_titan_dataset(source.dataset, location)
         return source.loader_name
-    if source.format in ("chat", "preference"):  # training.chat's / training.preference's own loader reads the file
+    if source.format in ("chat", "preference"):  # data.chat's / data.preference's own loader reads the file
         return source.loader_name
     if source.kind == "staged":  # the staged shards, JSON lines (datasets' json builder reads .json.gz)
         directory = Path(source.file)

@@ -12,7 +12,7 @@ import pytest
 
 from pipeline.errors import PipelineError
 from pipeline.run.rundir import RunDir
-from pipeline.training import launcher as train
+from pipeline.launch import launcher as train
 from helpers import REPO
 
 PROBE = textwrap.dedent("""
@@ -62,7 +62,7 @@ def test_a_ranks_own_error_is_the_launchers(tmp_path):
 
 
 SLEEPS = "import os, pathlib, sys, time\npathlib.Path(sys.argv[1], os.environ['RANK']).write_text(str(os.getpid()))\ntime.sleep(120)\n"
-LAUNCHER = "import sys\nfrom pipeline.training import launcher\nlauncher._run_teeing_stderr(sys.argv[1:], None)\n"
+LAUNCHER = "import sys\nfrom pipeline.launch import launcher\nlauncher._run_teeing_stderr(sys.argv[1:], None)\n"
 
 
 def _alive(pid: int) -> bool:
@@ -125,7 +125,7 @@ sys.exit(3)
 @pytest.fixture
 def early_failure(tmp_path, monkeypatch):
     """(launch(mode), the run directory): a tiny native run whose torchrun is FAILS_EARLY in `mode`."""
-    from pipeline.training import torchrun
+    from pipeline.launch import torchrun
     from pipeline.training.resolve import RunRequest, resolve
 
     spec = resolve(RunRequest(model="tiny", path="native", dry_run=True, checkpoints_root=tmp_path))

@@ -1,13 +1,13 @@
 """A user's dataset as `make data DATASET=<file or folder>` sees it: read whole with the ranks' own reader
-(datasets' json/text builder, as pipeline.training.dataset.open_in_rank opens it), counted in the model's
+(datasets' json/text builder, as pipeline.data.dataset.open_in_rank opens it), counted in the model's
 tokens against SEQ_LEN with the ranks' rules (a conversation longer than SEQ_LEN is dropped, as
-pipeline.training.chat does; text is packed across windows, nothing dropped), and split deterministically
+pipeline.data.chat does; text is packed across windows, nothing dropped), and split deterministically
 into train and held-out records when the data has no held-out split of its own (EVAL_SPLIT; default
 DEFAULT_CHAT_SPLIT of a chat set, none of text: axolotl's `val_set_size`, LLaMA-Factory's `val_size`).
 
 A file's split lives in <root>/data/sets/<stem>-<first 12 of its sha256>/ (train.jsonl, eval.jsonl and
 source.json, which names the file, its sha256 and the fraction): a run with DATASET=<that file> reads
-train.jsonl and evaluates on eval.jsonl while the file is unchanged (pipeline.training.dataset.resolve).
+train.jsonl and evaluates on eval.jsonl while the file is unchanged (pipeline.data.dataset.resolve).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 from pipeline.errors import PipelineError
 from pipeline.flags import flag
 from pipeline.fsutil import atomic_directory, atomic_write_text
-from pipeline.training.staged import SETS
+from pipeline.data.staged import SETS
 
 DEFAULT_CHAT_SPLIT = 0.05
 RECORD = "source.json"
@@ -78,7 +78,7 @@ def count(rows, name: str, form: str, tokenizer_dir: Path | None, seq_len: int) 
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
     from tqdm import tqdm
 
-    from pipeline.training import chat, preference
+    from pipeline.data import chat, preference
 
     tokenizer = HuggingFaceTokenizer(tokenizer_path=str(tokenizer_dir))
     end = chat.turn_end(tokenizer) if form == "chat" else None

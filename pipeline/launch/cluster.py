@@ -5,7 +5,7 @@ ConfigMap with run.json, a headless Service for the rendezvous, an Indexed Job w
 per node). Both run the exact torchrun command `train` would, with c10d rendezvous on the
 first node and the EFA environment. The model must already be downloaded under the cluster's
 checkpoints directory, a filesystem every node shares; a dataset that is staged (DATASET=c4:
-pipeline.training.staged) is staged there by the launch files, once, before any rank starts (the
+pipeline.data.staged) is staged there by the launch files, once, before any rank starts (the
 sbatch script's first step, the EKS staging job).
 """
 
@@ -23,10 +23,10 @@ from pipeline import envvars
 from pipeline.errors import PipelineError
 from pipeline.flags import flag
 from pipeline.fsutil import atomic_write_text
-from pipeline.run import pushed, rundir, store, targets
-from pipeline.run.image import IMAGE, default_tag
+from pipeline.launch import pushed, torchrun
+from pipeline.launch.image import IMAGE, default_tag
+from pipeline.run import rundir, store, targets
 from pipeline.run.spec import RunSpec
-from pipeline.training import torchrun
 from pipeline.training.memory import host_need
 from pipeline.training.resolve import RunRequest, resolve
 

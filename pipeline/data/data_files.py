@@ -1,5 +1,5 @@
 """The data files stage `data` writes: the embedded default's held-out text and chat conversations, and
-a Hub dataset's split copied in the pipeline's columns (read back by pipeline.training.dataset)."""
+a Hub dataset's split copied in the pipeline's columns (read back by pipeline.data.dataset)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 from pipeline.checkpoint import corpus, manifest
 from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_write_text, read_json_object
-from pipeline.training.dataset import CHAT_EVAL_FILE, CHAT_FILE, PREFERENCE_EVAL_FILE, PREFERENCE_FILE
+from pipeline.data.dataset import CHAT_EVAL_FILE, CHAT_FILE, PREFERENCE_EVAL_FILE, PREFERENCE_FILE
 
 
 # The chat set made from the same held-out documents (DATASET=chat): conversations short enough for
@@ -184,7 +184,7 @@ def copy_hub_dataset(dataset: str, split: str, columns: dict[str, str], out: Pat
     from datasets import load_dataset
     from tqdm import tqdm
 
-    from pipeline.training.dataset import check_record
+    from pipeline.data.dataset import check_record
 
     try:
         rows = load_dataset(dataset, name, split=split, revision=revision)
@@ -214,7 +214,7 @@ def copy_split(home, args) -> Path:
     """A Hub dataset's (or local dataset directory's) split, and its held-out split, in our columns; the
     record beside them written last, saying what was copied (a failure leaves no record, and no copy of
     one half)."""
-    from pipeline.training.dataset import hub_copy
+    from pipeline.data.dataset import hub_copy
 
     out = hub_copy(home.data_file.parent, args.dataset)
     split, columns = args.split or "train", parse_columns(args.columns)
@@ -254,7 +254,7 @@ def copy_split(home, args) -> Path:
 
 def hub_commit(dataset: str, revision: str | None) -> str | None:
     """The commit a Hub dataset's revision is, recorded with its copy (None for a local directory)."""
-    from pipeline.training.dataset import HUB_ID
+    from pipeline.data.dataset import HUB_ID
 
     if not HUB_ID.fullmatch(dataset) or Path(dataset).expanduser().is_dir():
         return None

@@ -20,11 +20,13 @@ from pathlib import Path
 
 from pipeline import console, envvars
 from pipeline.console import RankOutputFilter
+from pipeline.data import dataset
 from pipeline.errors import PipelineError
+from pipeline.launch import torchrun
 from pipeline.run import continuation, digest_key, diskspace, targets
 from pipeline.run.rundir import RunDir, RunLock
 from pipeline.run.spec import RunSpec
-from pipeline.training import dataset, memory, torchrun
+from pipeline.training import memory
 
 # When the launcher started torchrun (time.time()), for the ranks' start-up timings (timings.json).
 

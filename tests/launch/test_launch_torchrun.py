@@ -1,4 +1,4 @@
-"""pipeline/training/torchrun.py: the one-node launch command needs no shell to expand it."""
+"""pipeline/launch/torchrun.py: the one-node launch command needs no shell to expand it."""
 
 from helpers import run_pipeline
 

@@ -1,4 +1,4 @@
-"""pipeline/training/user_data.py and stage `data` on a user's file or folder: read whole with the ranks' reader,
+"""pipeline/data/user_data.py and stage `data` on a user's file or folder: read whole with the ranks' reader,
 counted in tokens against SEQ_LEN, a deterministic held-out split written when the data has none, a run that
 would evaluate nothing saying so once before launch; Hub datasets by subset and revision, recorded."""
 

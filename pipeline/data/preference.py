@@ -6,7 +6,7 @@ preference type, https://huggingface.co/docs/trl/dataset_formats#preference): wi
 `prompt` (a string, or a list of messages), or without one, when `chosen` and `rejected` are whole
 conversations sharing their first messages (TRL's implicit prompt: the shared messages are the
 prompt). A string prompt is a user turn and a string completion an assistant turn, as for SFT's
-prompt/completion (pipeline.training.chat), so every pair is rendered by the chat template; TRL
+prompt/completion (pipeline.data.chat), so every pair is rendered by the chat template; TRL
 renders only conversational pairs so and concatenates plain strings.
 
 Tokenisation is TRL 1.16 DPOTrainer's for conversational data: the prompt is rendered with the
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.training.chat import IGNORE_INDEX, ROLES, _token_boundary
+from pipeline.data.chat import IGNORE_INDEX, ROLES, _token_boundary
 
 
 def is_preference_record(record: dict) -> bool:

@@ -1,9 +1,9 @@
-"""pipeline/run/image.py: the image tag follows the lock's hash (no Docker engine needed)."""
+"""pipeline/launch/image.py: the image tag follows the lock's hash (no Docker engine needed)."""
 
 import re
 from pathlib import Path
 
-from pipeline.run import image
+from pipeline.launch import image
 
 
 def test_tag_follows_the_lock(tmp_path):

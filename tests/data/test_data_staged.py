@@ -1,4 +1,4 @@
-"""pipeline/training/staged.py: DATASET=c4 staged once into the checkpoints root, read by the ranks from there,
+"""pipeline/data/staged.py: DATASET=c4 staged once into the checkpoints root, read by the ranks from there,
 staged by the launch files before any rank starts.
 
 The Hub is unreachable here: the source is a local stand-in laid out like allenai/c4
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import PipelineError
-from pipeline.training import dataset, staged
+from pipeline.data import dataset, staged
 from helpers import C4_MARKER, c4_stand_in, run_pipeline
 
 COMMIT = "1588ec454efa1a09f29cd18ddd04fe05fc8653a2"  # what the stand-in is said to mirror

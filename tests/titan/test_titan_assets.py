@@ -1,4 +1,4 @@
-"""pipeline/training/titan_assets.py and the `tokenizer` setting: torchtitan's test tokenizer (AWS's
+"""pipeline/titan/assets.py and the `tokenizer` setting: torchtitan's test tokenizer (AWS's
 smoke run, a condition of configs/models.toml's 6.54), found in the working directory or in the
 installed torchtitan's source checkout, and the tokenizer the trainer builds."""
 
@@ -12,7 +12,7 @@ import pytest
 
 from pipeline.checkpoint import embedded
 from pipeline.errors import PipelineError
-from pipeline.training import titan_assets
+from pipeline.titan import assets
 
 
 def _assets(root: Path) -> Path:
@@ -26,11 +26,11 @@ def _assets(root: Path) -> Path:
 
 def test_the_test_tokenizer_outside_a_checkout_is_refused_in_one_line(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(titan_assets, "checkout_root", lambda: None)
+    monkeypatch.setattr(assets, "checkout_root", lambda: None)
     with pytest.raises(PipelineError) as err:
-        titan_assets.tokenizer_dir("titan-test", "/source")
+        assets.tokenizer_dir("titan-test", "/source")
     assert "tests/assets/tokenizer" in err.value.problem and "\n" not in err.value.problem
-    assert titan_assets.tokenizer_dir("model", "/source") == "/source"
+    assert assets.tokenizer_dir("model", "/source") == "/source"
 
 
 def test_assets_are_found_in_the_installed_torchtitans_checkout(tmp_path, monkeypatch):
@@ -42,8 +42,8 @@ def test_assets_are_found_in_the_installed_torchtitans_checkout(tmp_path, monkey
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(checkout))
     monkeypatch.delitem(__import__("sys").modules, "torchtitan", raising=False)
-    assert titan_assets.checkout_root() == checkout.resolve()
-    assert titan_assets.tokenizer_dir("titan-test", "/source") == str(tokenizer.resolve())
+    assert assets.checkout_root() == checkout.resolve()
+    assert assets.tokenizer_dir("titan-test", "/source") == str(tokenizer.resolve())
 
 
 def test_the_trainer_builds_the_settings_tokenizer(tmp_path, monkeypatch):

@@ -21,7 +21,7 @@ NODE_LOG_SUBDIR = f"node-{NODE_ID}"
 RDZV_ENDPOINT = "${MASTER_ADDR}:${MASTER_PORT:-29500}"
 RDZV_ID = "${RDZV_ID}"
 # Every shell expansion this module writes into a multi-node command, for the node's shell to expand;
-# whatever else a part holds (paths a user gave) is data (pipeline.training.cluster quotes it as such).
+# whatever else a part holds (paths a user gave) is data (pipeline.launch.cluster quotes it as such).
 NODE_EXPANSIONS = ("${SLURM_NODEID:-${JOB_COMPLETION_INDEX:-${NODE_RANK:-0}}}", "${MASTER_ADDR}",
                    "${MASTER_PORT:-29500}", "${RDZV_ID}")
 

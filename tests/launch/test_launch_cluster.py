@@ -129,8 +129,8 @@ def test_a_local_or_unpinned_image_is_refused_push_first(tmp_path, scheduler, im
 
 def test_the_pushed_digest_is_the_default_image(tmp_path):
     """What `make push` recorded for this lock's image is what the launch files pull."""
-    from pipeline.run import pushed
-    from pipeline.run.image import default_tag
+    from pipeline.launch import pushed
+    from pipeline.launch.image import default_tag
 
     pushed.record(default_tag(), PUSHED, "registry.example:5000/qwen3-pipeline:lock-x", root=tmp_path)
     out = tmp_path / "o"

@@ -23,7 +23,7 @@ LOCK = Path(__file__).resolve().parent.parent.parent / "requirements.lock"
 
 @dataclass(frozen=True)
 class ImageLayout:
-    """Where things are inside the pipeline image, as the Dockerfile makes them (tests/run/test_run_image.py
+    """Where things are inside the pipeline image, as the Dockerfile makes them (tests/launch/test_launch_image.py
     reads each one back out of the Dockerfile)."""
 
     python: str = "/opt/pipeline-venv/bin/python"  # the venv the Dockerfile builds

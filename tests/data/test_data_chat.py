@@ -1,4 +1,4 @@
-"""pipeline/training/chat.py: conversations rendered by the checkpoint's chat template with every
+"""pipeline/data/chat.py: conversations rendered by the checkpoint's chat template with every
 assistant turn trained and nothing else; chat files told by their keys; and a real SFT step whose
 loss plain transformers reproduces over the assistant tokens alone, on hf, native and nki."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import PipelineError
-from pipeline.training import chat, dataset
+from pipeline.data import chat, dataset
 from helpers import dry_run_spec, run_pipeline
 
 CONVERSATION = [
@@ -98,7 +98,7 @@ def test_a_chat_file_is_told_by_its_keys_and_checked_line_by_line(tmp_path):
 
 
 def test_the_data_stage_splits_its_chat_set_without_overlap(tmp_path):
-    from pipeline.training import data_files as data
+    from pipeline.data import data_files as data
 
     train, held, n_train, n_held = data.write_chat_data(tmp_path / "train.jsonl")
     rows = [line for line in train.read_text().splitlines()]

@@ -1,11 +1,11 @@
-"""training/data_files.py: the embedded data files are re-cut only when they are not what the code makes."""
+"""data/data_files.py: the embedded data files are re-cut only when they are not what the code makes."""
 
 from __future__ import annotations
 
 import json
 
 from pipeline.checkpoint import corpus
-from pipeline.training import data_files
+from pipeline.data import data_files
 
 
 def test_embedded_data_is_reused_only_while_its_stamp_matches(tmp_path, monkeypatch):

@@ -7,7 +7,7 @@ N of its train shards (`en/c4-train.0000X-of-01024.json.gz`, JSON lines of text/
 revision resolved to a commit, into <root>/data/sets/c4/ with a record (source.json: repository, revision,
 commit, every shard's path, size and sha256). The ranks read those files with datasets' json builder
 (which reads .json.gz); the launch files run this stage once before the ranks start
-(pipeline.training.cluster). A rerun with nothing asked that differs only checks the files.
+(pipeline.launch.cluster). A rerun with nothing asked that differs only checks the files.
 
 The files come through huggingface_hub (`dataset_info` for the commit, `hf_hub_download` per shard); a
 local directory laid out like the Hub repository (DATASET_MIRROR=<dir>: a mirror on the shared file

@@ -39,10 +39,10 @@ from pathlib import Path
 from pipeline.errors import Check, PipelineError
 from pipeline.fsutil import atomic_write_text
 from pipeline.run import rundir, store
-from pipeline.run.image import IMAGE
+from pipeline.launch.image import IMAGE
 from pipeline.run.rundir import RunDir
 from pipeline.run.spec import RunSpec
-from pipeline.training import cluster
+from pipeline.launch import cluster
 from pipeline.training.rehearsal import HOST_TARGET
 from pipeline.training.resolve import RunRequest
 

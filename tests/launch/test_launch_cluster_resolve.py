@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from helpers import REPO, dry_run_spec
-from pipeline.training.cluster import carried_name
+from pipeline.launch.cluster import carried_name
 
 # Everything a user may give train-*, each away from its default so a dropped one shows.
 VARIABLES = ("MODEL=tiny", "TARGET=cpu", "TRAIN_PATH=native", "STEPS=7", "SEQ_LEN=64", "NPROC=1",

@@ -1,4 +1,4 @@
-"""pipeline/training/preference.py and pipeline/titan/dpo.py's loss: TRL's preference formats, the completion
+"""pipeline/data/preference.py and pipeline/titan/dpo.py's loss: TRL's preference formats, the completion
 tokens alone labelled (TRL 1.16's tokenisation, computed here with transformers' own chat template), equal pairs
 refused, the DPO losses as TRL defines them, the memory estimate's reference model."""
 
@@ -10,7 +10,7 @@ import math
 import pytest
 
 from pipeline.errors import PipelineError
-from pipeline.training import dataset, preference
+from pipeline.data import dataset, preference
 
 PROMPT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a tensor?"}]
 CHOSEN = [{"role": "assistant", "content": "An array of numbers."}]

@@ -11,7 +11,7 @@ import pytest
 
 from pipeline.errors import PipelineError
 from pipeline.titan import api
-from pipeline.training import dataset
+from pipeline.data import dataset
 from helpers import cli
 from tiny_checkpoint import ok, one_error_line
 
@@ -127,11 +127,11 @@ def test_c4_test_is_found_in_the_installed_torchtitans_checkout_as_the_tokenizer
     reads it from any working directory."""
     from torchtitan.hf_datasets.text_datasets import DATASETS
 
-    from pipeline.training import titan_assets
+    from pipeline.titan import assets
 
     checkout = tmp_path / "torchtitan-neuron"
     read = _c4_test(checkout, ['{"text": "first c4 document"}', '{"text": "second"}'])
-    monkeypatch.setattr(titan_assets, "checkout_root", lambda: checkout)
+    monkeypatch.setattr(assets, "checkout_root", lambda: checkout)
     elsewhere = tmp_path / "opt-pipeline"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)

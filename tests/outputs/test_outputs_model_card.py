@@ -1,13 +1,13 @@
-"""pipeline/run/model_card.py: the export's README.md names the base model, data, steps, losses and
+"""pipeline/outputs/model_card.py: the export's README.md names the base model, data, steps, losses and
 method, parses as huggingface_hub's ModelCard, and holds no host path."""
 
 from __future__ import annotations
 
 import json
 
-from pipeline.run import model_card
+from pipeline.outputs import model_card
 from pipeline.run.rundir import RunDir
-from test_run_continuation import recorded_run, resolved
+from helpers import recorded_run, resolved
 
 
 def test_the_card_says_what_the_checkpoint_is_without_host_paths(tmp_path):

@@ -1,4 +1,4 @@
-"""pipeline.models.hf in one process: the MoE router trains under torchtitan's selective activation
+"""pipeline.models.hf (its model and parallelize) in one process: the MoE router trains under torchtitan's selective activation
 checkpointing (trn2.toml's and cuda.toml's setting), with transformers' own arithmetic, and the TP
 plan covers every weight of a block, with sequence parallelism when asked. The plan running on
 ranks is tests/stages/test_stages_rehearse.py."""
@@ -10,6 +10,7 @@ import torch
 
 from pipeline.checkpoint.embedded import EMBEDDED
 from pipeline.models import hf
+from pipeline.models.hf import parallelize
 
 
 def _model(name: str) -> hf.HFQwen3:
@@ -81,8 +82,8 @@ def test_tp_plan_puts_every_parameter_on_the_tp_mesh(name, sequence_parallel):
     from torch.distributed.tensor.parallel import SequenceParallel
 
     model = _model(name)
-    plans = [("", hf.root_tp_plan(sequence_parallel))]
-    plans += [(f"model.layers.{i}.", hf.layer_tp_plan(sequence_parallel, is_moe=name == "tiny-moe"))
+    plans = [("", parallelize.root_tp_plan(sequence_parallel))]
+    plans += [(f"model.layers.{i}.", parallelize.layer_tp_plan(sequence_parallel, is_moe=name == "tiny-moe"))
               for i in range(len(model.layers))]
     covered = {prefix + key for prefix, plan in plans for key, style in plan.items()
                if not type(style).__name__.startswith("PrepareModule")}
@@ -92,7 +93,7 @@ def test_tp_plan_puts_every_parameter_on_the_tp_mesh(name, sequence_parallel):
     assert isinstance(layer_plan["input_layernorm"], SequenceParallel) is sequence_parallel
     assert ("self_attn" in layer_plan) is sequence_parallel  # the gather before attention
     if name == "tiny-moe":
-        assert isinstance(layer_plan["mlp.experts"], hf.ReplicateParameters)
+        assert isinstance(layer_plan["mlp.experts"], parallelize.ReplicateParameters)
 
 
 def test_forward_always_passes_a_block_causal_mask(monkeypatch):
