@@ -313,7 +313,9 @@ class WeightsCheckpointManager(accessors.checkpoint_manager_base()):
         mine = {p.name: {"sha256": manifest.sha256(p), "bytes": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns}
                 for i, p in enumerate(shards) if i % world == rank}
         # torch's consolidation does not fsync what it writes: on disk before the save is named hf.
-        rest = [p for p in directory.iterdir() if p.is_file() and p.suffix != ".safetensors"] if rank == 0 else []
+        # Hidden names are other ranks' marked copies, renamed over their shards meanwhile (not ours to fsync).
+        rest = [p for p in directory.iterdir()
+                if p.is_file() and p.suffix != ".safetensors" and not p.name.startswith(".")] if rank == 0 else []
         for path in [directory / name for name in mine] + rest:
             fsync_file(path)
         if world == 1:
