@@ -8,7 +8,7 @@ RUN_NAME|TRAIN_PATH|the run's name, its folder runs/<name> (default: the path's 
 TARGET|detected|cpu, cuda or trn2 (train: detected when unset; launch: trn2)
 CONFIG||your config file, layered over configs/<target>.toml key by key
 REVISION|configs/models.toml|the Hub revision the run must start from (as downloaded)
-TITAN_ARGS||torchtitan flags applied over the built config, e.g. --titan-args='--training.steps 5 --lr-scheduler.warmup-steps 1' ('--help' lists them)
+TITAN_ARGS||torchtitan flags applied over the built config, e.g. TITAN_ARGS="--training.steps 5 --lr-scheduler.warmup-steps 1" (--help lists them)
 DRY_RUN|0|resolve and print the run (train: and its torchrun command; launch: and its files); launch and write nothing
 FRESH|0|discard this run (checkpoints, metrics, export, verify.json) and start it again
 FORCE|0|1: replace an existing download or export; train: launch past the host-memory check (CPU)

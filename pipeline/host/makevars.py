@@ -13,6 +13,7 @@ import dataclasses
 from pathlib import Path
 
 from pipeline.flags import flag_fields
+from pipeline.fsutil import atomic_write_text
 from pipeline.run.ref import RunRef
 from pipeline.run.settings import TrainSettings
 from pipeline.launch.cluster import LaunchRequest
@@ -152,5 +153,5 @@ def render() -> str:
 
 def write(path: Path = OUTPUT) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render())
+    atomic_write_text(path, render())
     return path

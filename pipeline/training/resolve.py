@@ -42,7 +42,9 @@ class RunRequest(RunRef):
                                 make_default="configs/models.toml")
     titan_args: tuple[str, ...] = flag((), "torchtitan flags applied over the built config, e.g. "
                                        "--titan-args='--training.steps 5 --lr-scheduler.warmup-steps 1' ('--help' lists "
-                                       "them)", words=True, make="TITAN_ARGS")
+                                       "them)", words=True, make="TITAN_ARGS",
+                                       make_help="torchtitan flags applied over the built config, e.g. "
+                                       "TITAN_ARGS=\"--training.steps 5 --lr-scheduler.warmup-steps 1\" (--help lists them)")
     dry_run: bool = flag(False, "resolve and print the run (train: and its torchrun command; launch: and its files); "
                          "launch and write nothing", make="DRY_RUN")
     fresh: bool = flag(False, "discard this run (checkpoints, metrics, export, verify.json) and start it again",
