@@ -62,8 +62,8 @@ def test_the_check_finds_a_variable_missing_from_the_table():
 
 # stage → the flags strings its Make targets pass it (the Makefile's recipes)
 PASSED = {"train": ("RUN_FLAGS", "TRAIN_FLAGS"), "launch": ("RUN_FLAGS", "TRAIN_FLAGS", "LAUNCH_FLAGS"),
-          "data": ("DATA_FLAGS",), "export": ("RUN_FLAGS",), "verify": ("RUN_FLAGS",), "eval": ("RUN_FLAGS",),
-          "publish": ("RUN_FLAGS",)}
+          "data": ("DATA_FLAGS",), "export": ("RUN_FLAGS", "EXPORT_FLAGS"), "verify": ("RUN_FLAGS", "VERIFY_FLAGS"),
+          "eval": ("RUN_FLAGS", "EVAL_FLAGS"), "publish": ("RUN_FLAGS", "PUBLISH_FLAGS"), "report": ("REPORT_FLAGS",)}
 
 
 @pytest.mark.parametrize("stage", sorted(PASSED))
@@ -74,5 +74,6 @@ def test_the_flags_strings_are_flags_of_the_stage(stage):
     _, parser = stage_parser(stage)
     vars_ = makevars.make_vars()
     passed = {re.search(r"--[a-z-]+", v.flag).group(0) for s in PASSED[stage] for v in vars_[s]}
-    assert {"--model", "--name" if "RUN_FLAGS" in PASSED[stage] else "--seq-len"} <= passed
+    assert {"--model", *(["--name"] if "RUN_FLAGS" in PASSED[stage] else ["--seq-len"] if "DATA_FLAGS" in PASSED[stage]
+                         else [])} <= passed
     assert passed <= set(parser._option_string_actions), passed - set(parser._option_string_actions)
