@@ -77,3 +77,14 @@ def test_the_flags_strings_are_flags_of_the_stage(stage):
     assert {"--model", *(["--name"] if "RUN_FLAGS" in PASSED[stage] else ["--seq-len"] if "DATA_FLAGS" in PASSED[stage]
                          else [])} <= passed
     assert passed <= set(parser._option_string_actions), passed - set(parser._option_string_actions)
+
+
+def test_a_variable_several_stages_take_has_one_row_from_the_first_string():
+    """FORCE, DRY_RUN and ADAPTER are fields of several requests: one row each (the first string's meaning),
+    and each string still passes its own stage's flag."""
+    rows = [line for line in makevars.render().splitlines() if line.split("|")[0] in ("DRY_RUN", "FORCE", "ADAPTER")]
+    assert [row.split("|")[0] for row in rows] == ["DRY_RUN", "FORCE", "ADAPTER"]
+    assert "train: launch past the host-memory check" in rows[1] and "publish: 1 uploads those" in rows[2]
+    flags_of = {s: " ".join(v.flag for v in found) for s, found in makevars.make_vars().items()}
+    assert "$(call on,FORCE),--force" in flags_of["EXPORT_FLAGS"] and "--dry-run" in flags_of["PUBLISH_FLAGS"]
+    assert "$(call on,ADAPTER),--adapter" in flags_of["EXPORT_FLAGS"] and "--adapter" in flags_of["PUBLISH_FLAGS"]
