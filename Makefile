@@ -140,10 +140,10 @@ train-%: setup $(TRAIN_DEPS)
 	$(PIPE) train $(RUN_FLAGS) $(TRAIN_FLAGS)
 
 export: setup ## HF safetensors of a run's last checkpoint: <run dir>/export
-	$(PIPE) export $(RUN_FLAGS) --dtype $(call q,$(DTYPE)) $(if $(call on,FORCE),--force) $(if $(call on,ADAPTER),--adapter)
+	$(PIPE) export $(RUN_FLAGS) $(EXPORT_FLAGS)
 
 verify-checkpoint: setup ## reload an export: zero missing keys, tensors, step-1 loss → verify.json
-	$(PIPE) verify $(if $(CHECKPOINT),--checkpoint $(call q,$(CHECKPOINT)) --reference $(call q,$(REFERENCE)),$(RUN_FLAGS))
+	$(PIPE) verify $(if $(CHECKPOINT),$(VERIFY_FLAGS),$(RUN_FLAGS))
 
 verify-kernels: setup ## every NKI override vs its reference (fwd+bwd), table of errors
 	$(PIPE) verify-kernels $(if $(TARGET),--target $(call q,$(TARGET)))
@@ -153,7 +153,7 @@ smoke: setup ## before any training: device count, one op, a 2-rank neuron all-r
 	$(PIPE) verify-kernels $(if $(TARGET),--target $(call q,$(TARGET)))
 
 report: setup ## loss curves and summary of every run of MODEL → checkpoints/<key>/report
-	$(PIPE) report --model $(call q,$(MODEL))
+	$(PIPE) report $(REPORT_FLAGS)
 
 image: setup ## build the container image (Docker SDK), tag from the lock's hash
 	$(HOST_PIPE) image $(if $(BASE_IMAGE),--base-image $(call q,$(BASE_IMAGE)))
@@ -170,12 +170,10 @@ launch-eks: setup ## render Kubernetes manifests for NODES trn2 nodes (the train
 	$(HOST_PIPE) launch --scheduler eks $(RUN_FLAGS) $(TRAIN_FLAGS) $(LAUNCH_FLAGS)
 
 eval: setup setup-lm-eval ## a run's export through lm-evaluation-harness (EVAL_TASKS: held-out log-likelihood and multiple choice by default) → <run dir>/eval.json and the card
-	$(HOST_PIPE) eval $(RUN_FLAGS) \
-	  $(if $(EVAL_TASKS),--tasks $(call q,$(EVAL_TASKS))) $(if $(EVAL_LIMIT),--limit $(call q,$(EVAL_LIMIT))) --harness $(call q,$(LM_EVAL_VENV)/bin/lm-eval)
+	$(HOST_PIPE) eval $(RUN_FLAGS) $(EVAL_FLAGS) --harness $(call q,$(LM_EVAL_VENV)/bin/lm-eval)
 
 publish: setup ## upload a run's verified export (ADAPTER=1: its LoRA adapters) to the Hub repository HUB_REPO (HF_TOKEN; private unless PUBLIC=1; DRY_RUN=1 lists the files)
-	$(PIPE) publish $(RUN_FLAGS) \
-	  --repo=$(call q,$(HUB_REPO)) $(if $(call on,PUBLIC),--public) $(if $(call on,DRY_RUN),--dry-run) $(if $(call on,ADAPTER),--adapter)
+	$(PIPE) publish $(RUN_FLAGS) $(PUBLISH_FLAGS)
 
 pin: setup ## resolve once what trn2 runs on (torchtitan-neuron commit, Hub revisions, base image digest) into requirements.lock, configs/models.toml, configs/base-image.toml; prints what to commit
 	$(HOST_PIPE) pin $(if $(BASE_IMAGE),--base-image $(call q,$(BASE_IMAGE)))

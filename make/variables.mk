@@ -37,17 +37,17 @@ DATASET_REVISION|main|the Hub dataset's revision (a commit) copied, or staged fo
 DATASET_MIRROR||DATASET=c4: a local directory laid out like the Hub repository, read instead of the Hub
 DATASET_SUBSET||a Hub dataset's subset (config name), e.g. en; recorded with the copy
 EVAL_SPLIT|0.05 of chat data|EVAL_SPLIT: the fraction of DATASET held out for eval loss, deterministically, when the data has no held-out split (default 0.05 of chat data, 0 of text)
-MODELS|tiny tiny-moe|pipeline: the models it runs (space-separated MODEL values)
-PATHS|every path|pipeline: the training paths it runs (space-separated)
 ADAPTER|0|export: 1 writes a LoRA run's adapters alone (PEFT's save_pretrained, tokenizer, card) to <run dir>/export-adapter; publish: 1 uploads those
 CHECKPOINT||verify-checkpoint: an HF directory to verify (with REFERENCE)
 REFERENCE||verify-checkpoint: the checkpoint it must match
-IN_CONTAINER|$(IN_CONTAINER)|1: run stages inside the pipeline image (default 1 on a Neuron host whose venv lacks torch-neuronx)
-BASE_IMAGE|Neuron 2.33 DLC|the image `make image` builds on
 EVAL_TASKS|pipeline_heldout_loglikelihood,pipeline_heldout_choice|eval: comma-separated lm-eval tasks (the local ones over the run's held-out split, or the harness's own, which need the Hub)
 EVAL_LIMIT||eval: at most this many documents per task
 HUB_REPO||publish: the Hub model repository (<user or org>/<name>) a run's verified export is uploaded to
 PUBLIC|0|publish: 1 creates the repository public (default private)
+MODELS|tiny tiny-moe|pipeline: the models it runs (space-separated MODEL values)
+PATHS|every path|pipeline: the training paths it runs (space-separated)
+IN_CONTAINER|$(IN_CONTAINER)|1: run stages inside the pipeline image (default 1 on a Neuron host whose venv lacks torch-neuronx)
+BASE_IMAGE|Neuron 2.33 DLC|the image `make image` builds on
 REGISTRY||push: registry/repository to push the image to (e.g. <account>.dkr.ecr.<region>.amazonaws.com/qwen3)
 VERBOSE|0|1: every command and every line of the ranks' output (default: torchtitan's start-up log and repeated warnings hidden, errors never)
 BENCH_REPEATS|2|bench: repeats per measurement
@@ -58,7 +58,7 @@ TITAN_MAIN_WHEEL|$(TITAN_MAIN_WHEEL)|test-titan-main, test-titan-sim: a wheel of
 endef
 # Variables whose default is a value: the user may not give them empty.
 DEFAULTED_VARS := MODEL TRAIN_PATH DTYPE IN_CONTAINER PYTHON VENV TITAN_MAIN_WHEEL
-BOOL_VARS := DRY_RUN FRESH FORCE ADAPTER IN_CONTAINER PUBLIC VERBOSE
+BOOL_VARS := DRY_RUN FRESH FORCE ADAPTER PUBLIC IN_CONTAINER VERBOSE
 RUN_FLAGS = --model $(call q,$(MODEL)) \
   --path $(call q,$(TRAIN_PATH)) \
   $(if $(RUN_NAME),--name $(call q,$(RUN_NAME)))
@@ -99,3 +99,15 @@ DATA_FLAGS = --model $(call q,$(MODEL)) \
   $(if $(DATASET_MIRROR),--mirror $(call q,$(DATASET_MIRROR))) \
   $(if $(DATASET_SUBSET),--subset $(call q,$(DATASET_SUBSET))) \
   $(if $(EVAL_SPLIT),--hold-out $(call q,$(EVAL_SPLIT)))
+EXPORT_FLAGS = $(if $(DTYPE),--dtype $(call q,$(DTYPE))) \
+  $(if $(call on,FORCE),--force) \
+  $(if $(call on,ADAPTER),--adapter)
+VERIFY_FLAGS = $(if $(CHECKPOINT),--checkpoint $(call q,$(CHECKPOINT))) \
+  $(if $(REFERENCE),--reference $(call q,$(REFERENCE)))
+EVAL_FLAGS = $(if $(EVAL_TASKS),--tasks $(call q,$(EVAL_TASKS))) \
+  $(if $(EVAL_LIMIT),--limit $(call q,$(EVAL_LIMIT)))
+PUBLISH_FLAGS = --repo=$(call q,$(HUB_REPO)) \
+  $(if $(call on,PUBLIC),--public) \
+  $(if $(call on,DRY_RUN),--dry-run) \
+  $(if $(call on,ADAPTER),--adapter)
+REPORT_FLAGS = --model $(call q,$(MODEL))

@@ -11,6 +11,8 @@ make (the Make variable that gives the flag), make_default (the default `make he
 the field's own: "detected", or "$(MODEL)" for a default the Makefile computes), make_help (what the
 variable means in Make, where it does more than this flag), make_assigns (Make assigns the field's
 default, `X ?= default`, for the stages that need a value; the flag is passed only when the user gives X).
+A required field with no make_default is always passed, as `--flag=value`: the stage's own check names an
+unset value (HUB_REPO).
 """
 
 from __future__ import annotations

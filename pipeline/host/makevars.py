@@ -19,41 +19,42 @@ from pipeline.run.settings import TrainSettings
 from pipeline.launch.cluster import LaunchRequest
 from pipeline.training.resolve import RunRequest
 from pipeline.data.user_data import DataRequest
+from pipeline.outputs.export import ExportRequest
+from pipeline.outputs.harness import EvalRequest
+from pipeline.outputs.publish import PublishRequest
+from pipeline.outputs.verify import VerifyRequest
 
 OUTPUT = Path(__file__).resolve().parents[2] / "make" / "variables.mk"
 COMMAND = "python -m pipeline makevars"
 
 # Make variable holding the flags → (dataclass, its fields) whose Make variables it passes, as the stage
 # takes them with pipeline.flags.add_flags; None: the fields the class declares itself (RunRequest's run
-# address is RunRef's, RUN_FLAGS). A variable's row comes from the first string that passes it.
+# address is RunRef's, RUN_FLAGS). A variable's row comes from the first string that passes it: a variable
+# several stages take (FORCE, DRY_RUN, ADAPTER) is declared with its Make meaning where it first appears.
 FLAG_STRINGS = {
     "RUN_FLAGS": ((RunRef, None),),
     "TRAIN_FLAGS": ((RunRequest, None), (TrainSettings, None)),
     "LAUNCH_FLAGS": ((LaunchRequest, None),),
     "DATA_FLAGS": ((RunRequest, ("model", "config", "target")), (TrainSettings, ("dataset", "seq_len")),
                    (DataRequest, None)),
+    "EXPORT_FLAGS": ((ExportRequest, None),),
+    "VERIFY_FLAGS": ((VerifyRequest, None),),
+    "EVAL_FLAGS": ((EvalRequest, None),),
+    "PUBLISH_FLAGS": ((PublishRequest, None),),
+    "REPORT_FLAGS": ((RunRef, ("model",)),),
 }
 # An unset TrainSettings variable leaves the value to configs/<target>.toml and CONFIG=.
 CONFIG_DECIDES = (TrainSettings,)
 
 # Variables that are no dataclass field (yet): Make's own (which venv, which models `make pipeline` runs),
-# and the flags of stages whose parsers are written by hand (export, verify, eval, publish, push, image).
+# and the flags of stages whose parsers are written by hand (push, image, pin).
 # (name, default as `make help` shows it, meaning)
 MAKE_ONLY = (
     ("MODELS", "tiny tiny-moe", "pipeline: the models it runs (space-separated MODEL values)"),
     ("PATHS", "every path", "pipeline: the training paths it runs (space-separated)"),
-    ("ADAPTER", "0", "export: 1 writes a LoRA run's adapters alone (PEFT's save_pretrained, tokenizer, card) to "
-     "<run dir>/export-adapter; publish: 1 uploads those"),
-    ("CHECKPOINT", "", "verify-checkpoint: an HF directory to verify (with REFERENCE)"),
-    ("REFERENCE", "", "verify-checkpoint: the checkpoint it must match"),
     ("IN_CONTAINER", "$(IN_CONTAINER)", "1: run stages inside the pipeline image (default 1 on a Neuron host whose "
      "venv lacks torch-neuronx)"),
     ("BASE_IMAGE", "Neuron 2.33 DLC", "the image `make image` builds on"),
-    ("EVAL_TASKS", "pipeline_heldout_loglikelihood,pipeline_heldout_choice", "eval: comma-separated lm-eval tasks "
-     "(the local ones over the run's held-out split, or the harness's own, which need the Hub)"),
-    ("EVAL_LIMIT", "", "eval: at most this many documents per task"),
-    ("HUB_REPO", "", "publish: the Hub model repository (<user or org>/<name>) a run's verified export is uploaded to"),
-    ("PUBLIC", "0", "publish: 1 creates the repository public (default private)"),
     ("REGISTRY", "", "push: registry/repository to push the image to (e.g. "
      "<account>.dkr.ecr.<region>.amazonaws.com/qwen3)"),
     ("VERBOSE", "0", "1: every command and every line of the ranks' output (default: torchtitan's start-up log and "
@@ -66,7 +67,7 @@ MAKE_ONLY = (
      "main (docs/sources.md)"),
 )
 # Those of them that are on/off (1/0, true/false, yes/no); a bool field's variable is on/off by its type.
-MAKE_ONLY_ON_OFF = ("ADAPTER", "IN_CONTAINER", "PUBLIC", "VERBOSE")
+MAKE_ONLY_ON_OFF = ("IN_CONTAINER", "VERBOSE")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +103,9 @@ def make_var(cls, field: dataclasses.Field) -> MakeVar:
     kind = str(field.type)
     if kind == "bool":
         default, flag = "0", f"$(if $(call on,{name}),{option})"
+    elif meta.get("required") and "make_default" not in meta:
+        # Always passed, as one `--flag=value` word: the stage's own check names an unset (or odd) value (HUB_REPO).
+        default, flag = "", f"{option}={value}"
     elif meta.get("required"):
         # Always passed: a Make default the Makefile computes (MODEL), or one that fills an unset value (NODES).
         default = meta["make_default"]
@@ -133,7 +137,11 @@ def assignments() -> list[str]:
 
 def render() -> str:
     strings = make_vars()
-    rows = list(dict.fromkeys(v.row for found in strings.values() for v in found)) + ["|".join(row) for row in MAKE_ONLY]
+    first: dict[str, str] = {}  # variable → its row, from the first string that passes it
+    for found in strings.values():
+        for v in found:
+            first.setdefault(v.name, v.row)
+    rows = list(first.values()) + ["|".join(row) for row in MAKE_ONLY]
     names = [row.split("|")[0] for row in rows]
     duplicated = sorted({n for n in names if names.count(n) > 1})
     if duplicated:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline import dtypes
+from pipeline.flags import flag
 from pipeline.checkpoint import hf_dir, manifest, stream
 from pipeline.checkpoint.arch import Qwen3Arch, load_arch
 from pipeline.errors import PipelineError
@@ -47,6 +48,23 @@ class ExportConfig:
     @property
     def target(self) -> Path:
         return Path(self.output) if self.output else self.run.export
+
+
+@dataclass(frozen=True)
+class ExportRequest:
+    """What `make export` asks for of a run (the run itself: RunRef). Its fields are the `export` stage's
+    flags (pipeline.flags) and Make variables (pipeline.host.makevars)."""
+
+    dtype: str = flag(ExportConfig.dtype, "export dtype: the run's export_dtype (linked) or narrower (cast)",
+                      choices=dtypes.NAMES, make="DTYPE")
+    step: int | None = flag(None, "checkpoint step to export (default: the last)")
+    force: bool = flag(False, "replace an existing export (atomically)", make="FORCE")
+    adapter: bool = flag(False, "a LoRA run's adapters alone, in PEFT's layout, to <run dir>/export-adapter",
+                         make="ADAPTER", make_help="export: 1 writes a LoRA run's adapters alone (PEFT's save_pretrained, "
+                         "tokenizer, card) to <run dir>/export-adapter; publish: 1 uploads those")
+
+    def config(self, run: RunDir) -> ExportConfig:
+        return ExportConfig(run=run, dtype=self.dtype, step=self.step, force=self.force)
 
 
 @dataclass(frozen=True)

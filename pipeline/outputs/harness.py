@@ -19,15 +19,32 @@ import math
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.errors import PipelineError
+from pipeline.flags import flag
 from pipeline.fsutil import atomic_write_text
 
 LOGLIKELIHOOD, CHOICE = "pipeline_heldout_loglikelihood", "pipeline_heldout_choice"
 LOCAL_TASKS = (LOGLIKELIHOOD, CHOICE)
 CHOICES = 4  # a document's continuation and the next three documents'
 EVAL_JSON = "eval.json"
+# `make setup-lm-eval`'s venv in the repository (the Makefile's LM_EVAL_VENV)
+DEFAULT_HARNESS = Path(__file__).resolve().parents[2] / ".venv-lm-eval" / "bin" / "lm-eval"
+
+
+@dataclass(frozen=True)
+class EvalRequest:
+    """What `make eval` asks for of a run's export (the run: RunRef). Its fields are the `eval` stage's flags
+    (pipeline.flags) and Make variables (pipeline.host.makevars)."""
+
+    tasks: str = flag(",".join(LOCAL_TASKS), "comma-separated lm-eval tasks: the local ones (default) and/or the "
+                      "harness's own", make="EVAL_TASKS", make_help="eval: comma-separated lm-eval tasks (the local ones "
+                      "over the run's held-out split, or the harness's own, which need the Hub)")
+    limit: int | None = flag(None, "at most this many documents per task", make="EVAL_LIMIT",
+                             make_help="eval: at most this many documents per task")
+    harness: Path = flag(DEFAULT_HARNESS, "the lm-eval executable")
 
 
 def records(eval_file: Path, data_format: str, tokenizer_dir: Path) -> list[dict]:

@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from pipeline import console
+from pipeline.flags import flag
 from pipeline.checkpoint import hf_dir, manifest, stream
 from pipeline.errors import Check, PipelineError
 from pipeline.fsutil import atomic_write_text, read_json_object
@@ -47,6 +48,19 @@ from pipeline.dtypes import DTYPES, SAFETENSORS_CODES, by_code
 from pipeline.outputs import verify_run
 
 FALLBACK_TOKENS = 128
+
+
+@dataclass(frozen=True)
+class VerifyRequest:
+    """What `make verify-checkpoint` asks for beyond a run's address (RunRef, whose export it verifies): an HF
+    directory with the checkpoint it must match instead, and where the verdict goes. Its fields are the `verify`
+    stage's flags (pipeline.flags) and Make variables (pipeline.host.makevars)."""
+
+    checkpoint: Path | None = flag(None, "an HF checkpoint directory to verify (with --reference)", make="CHECKPOINT",
+                                   make_help="verify-checkpoint: an HF directory to verify (with REFERENCE)")
+    reference: Path | None = flag(None, "the checkpoint it must match (the downloaded source)", make="REFERENCE",
+                                  make_help="verify-checkpoint: the checkpoint it must match")
+    output: Path | None = flag(None, "where verify.json goes (default: the run dir / beside the checkpoint)")
 
 
 @dataclass

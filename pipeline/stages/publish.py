@@ -21,6 +21,7 @@ from pipeline.checkpoint import manifest
 from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_write_text
 from pipeline.models import registry
+from pipeline.outputs.publish import PublishRequest
 from pipeline.run import rundir
 from pipeline.run.ref import RunRef
 
@@ -29,11 +30,7 @@ PUBLISHED = "published.json"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     flags.add_flags(parser, RunRef, choices={"path": registry.names()})
-    parser.add_argument("--repo", required=True, help="Hub repository id, <user or org>/<name>")
-    parser.add_argument("--public", action="store_true", help="create the repository public (default: private)")
-    parser.add_argument("--dry-run", action="store_true", help="list what would be uploaded; no network")
-    parser.add_argument("--adapter", action="store_true",
-                        help="a LoRA run's adapters (<run dir>/export-adapter) instead, those of its verified export's step")
+    flags.add_flags(parser, PublishRequest)
 
 
 def check_repo_id(repo: str) -> str:
@@ -53,7 +50,8 @@ def check_repo_id(repo: str) -> str:
 
 
 def run(args: argparse.Namespace) -> dict:
-    check_repo_id(args.repo)
+    request = PublishRequest(**flags.values(PublishRequest, args))
+    check_repo_id(request.repo)
     run_dir = RunRef(**flags.values(RunRef, args)).run_dir()
     export = run_dir.export
     name = f" RUN_NAME={args.name}" if args.name else ""
@@ -65,9 +63,9 @@ def run(args: argparse.Namespace) -> dict:
     if verdict.get("passed") is not True:
         said = "was never verified" if not verdict else f"failed verify ({verdict.get('detail')})"
         raise PipelineError(f"{export} {said}; only a verified export is published"
-                            f"{' (and the adapters of a verified one)' if args.adapter else ''}.", f"run `{again}`.")
+                            f"{' (and the adapters of a verified one)' if request.adapter else ''}.", f"run `{again}`.")
     _check_linked_weights(run_dir, export, listed, again)
-    if args.adapter:  # the adapters of that verified export's step: its difference from the base model
+    if request.adapter:  # the adapters of that verified export's step: its difference from the base model
         adapters = run_dir.adapter_export
         again = f"make export ADAPTER=1 MODEL={args.model} TRAIN_PATH={args.path}{name} FORCE=1"
         if not adapters.is_dir():
@@ -79,14 +77,14 @@ def run(args: argparse.Namespace) -> dict:
         export, listed = adapters, {**adapter_listed, "verify": verdict}
     files = sorted([*listed["files"], manifest.MANIFEST])
     size = sum(entry["bytes"] for entry in listed["files"].values())
-    visibility = "public" if args.public else "private"
-    print(f"{'would publish' if args.dry_run else 'publishing'} {export} ({len(files)} files, {size / 2**20:.1f} MiB, "
-          f"step {listed['step']}, {listed['dtype']}) → {args.repo} ({visibility})", flush=True)
-    if args.dry_run:
+    visibility = "public" if request.public else "private"
+    print(f"{'would publish' if request.dry_run else 'publishing'} {export} ({len(files)} files, {size / 2**20:.1f} MiB, "
+          f"step {listed['step']}, {listed['dtype']}) → {request.repo} ({visibility})", flush=True)
+    if request.dry_run:
         for name in files:
             print(f"  {name}")
-        return {"repo": args.repo, "files": files, "dry_run": True}
-    return _upload(args, export, files, listed, run_dir)
+        return {"repo": request.repo, "files": files, "dry_run": True}
+    return _upload(args, request, export, files, listed, run_dir)
 
 
 def _check_linked_weights(run_dir, export: Path, listed: dict, again: str) -> None:
@@ -109,7 +107,7 @@ def _check_linked_weights(run_dir, export: Path, listed: dict, again: str) -> No
                                 "changed after it was verified.", f"run `{again}`.")
 
 
-def _upload(args, export, files: list[str], listed: dict, run_dir) -> dict:
+def _upload(args, request: PublishRequest, export, files: list[str], listed: dict, run_dir) -> dict:
     import httpx
     from huggingface_hub import HfApi, constants, get_token
     from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
@@ -122,24 +120,24 @@ def _upload(args, export, files: list[str], listed: dict, run_dir) -> dict:
         raise PipelineError("publishing needs a Hugging Face token with write access.",
                             "export HF_TOKEN=<a write token> (or `hf auth login`); it is never printed.")
     api = HfApi(token=token)
-    what = "LoRA adapters of " if args.adapter else ""
+    what = "LoRA adapters of " if request.adapter else ""
     message = f"{run_dir.path.name}: {what}step {listed['step']} of {args.model} ({args.path} path), verified"
     try:
-        api.create_repo(args.repo, visibility="public" if args.public else "private", exist_ok=True, repo_type="model")
-        commit = api.upload_folder(repo_id=args.repo, folder_path=str(export), allow_patterns=files,
+        api.create_repo(request.repo, visibility="public" if request.public else "private", exist_ok=True, repo_type="model")
+        commit = api.upload_folder(repo_id=request.repo, folder_path=str(export), allow_patterns=files,
                                    commit_message=message, repo_type="model")
     except HfHubHTTPError as err:
         status = err.response.status_code if err.response is not None else "?"
         fix = ("HF_TOKEN must be a write token of an account allowed to write to that repository."
                if status in (401, 403) else "check HUB_REPO and the Hub's status, then rerun: unchanged files are skipped.")
         said = f": {err.server_message}" if getattr(err, "server_message", None) else ""
-        raise PipelineError(f"the Hub refused the upload to {args.repo} (HTTP {status}){said}.", fix) from None
+        raise PipelineError(f"the Hub refused the upload to {request.repo} (HTTP {status}){said}.", fix) from None
     except (OfflineModeIsEnabled, httpx.TransportError, OSError) as err:  # no network, DNS, a refused connection
-        raise PipelineError(f"the Hub ({constants.ENDPOINT}) could not be reached to publish {args.repo} "
+        raise PipelineError(f"the Hub ({constants.ENDPOINT}) could not be reached to publish {request.repo} "
                             f"({type(err).__name__}: {err}); nothing recorded as published.",
                             "check the network (and HF_ENDPOINT), then rerun: unchanged files are skipped.") from None
-    record = {"repo": args.repo, "commit": commit.oid, "url": commit.commit_url, "files": files,
-              "step": listed["step"], "dtype": listed["dtype"], "adapter": args.adapter, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    record = {"repo": request.repo, "commit": commit.oid, "url": commit.commit_url, "files": files,
+              "step": listed["step"], "dtype": listed["dtype"], "adapter": request.adapter, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     atomic_write_text(run_dir.path / PUBLISHED, json.dumps(record, indent=2) + "\n")
-    print(f"published {args.repo} at commit {commit.oid} ({commit.commit_url})")
+    print(f"published {request.repo} at commit {commit.oid} ({commit.commit_url})")
     return record

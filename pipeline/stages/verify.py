@@ -10,7 +10,7 @@ from pipeline import flags
 from pipeline.checkpoint import manifest
 from pipeline.errors import PipelineError
 from pipeline.models import registry
-from pipeline.outputs.verify import Verification, verify
+from pipeline.outputs.verify import Verification, VerifyRequest, verify
 from pipeline.outputs import model_card
 from pipeline.run import rundir
 from pipeline.run.ref import RunRef
@@ -21,12 +21,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # MODEL with TRAIN_PATH (or RUN_NAME): that run's export; or CHECKPOINT with REFERENCE.
     flags.add_flags(parser, RunRef, choices={"path": registry.names()},
                     overrides={"model": {"required": False}, "path": {"required": False}})
-    parser.add_argument("--checkpoint", type=Path, help="an HF checkpoint directory to verify (with --reference)")
-    parser.add_argument("--reference", type=Path, help="the checkpoint it must match (the downloaded source)")
-    parser.add_argument("--output", type=Path, help="where verify.json goes (default: the run dir / beside the checkpoint)")
+    flags.add_flags(parser, VerifyRequest)
 
 
 def run(args: argparse.Namespace) -> Verification:
+    request = VerifyRequest(**flags.values(VerifyRequest, args))
     if args.model and (args.path or args.name is not None):
         run_dir = RunRef(**flags.values(RunRef, args)).run_dir()
         reference = Path(run_dir.spec().source_dir)
@@ -35,8 +34,8 @@ def run(args: argparse.Namespace) -> Verification:
             raise PipelineError(f"{checkpoint} does not exist.",
                                 f"run `make export MODEL={args.model} "
                                 f"{f'RUN_NAME={args.name}' if args.name else f'TRAIN_PATH={args.path}'}` first.")
-    elif args.checkpoint and args.reference:
-        checkpoint, reference = args.checkpoint, args.reference
+    elif request.checkpoint and request.reference:
+        checkpoint, reference = request.checkpoint, request.reference
         if not Path(checkpoint).is_dir():  # nothing to verify: no verify.json is written beside it
             raise PipelineError(f"CHECKPOINT {checkpoint} is not a directory.",
                                 "give the HF checkpoint directory to verify (an export, e.g. <run dir>/export).")
@@ -47,7 +46,7 @@ def run(args: argparse.Namespace) -> Verification:
                             "e.g. `make verify-checkpoint MODEL=tiny TRAIN_PATH=native`.")
     if not Path(reference).is_dir():
         raise PipelineError(f"reference {reference} is not a directory.", "give the downloaded source checkpoint.")
-    output = args.output or (run_dir.verify if run_dir else Path(checkpoint).parent / rundir.VERIFY)
+    output = request.output or (run_dir.verify if run_dir else Path(checkpoint).parent / rundir.VERIFY)
     result = verify(Path(checkpoint), Path(reference), run_dir, output)
     if run_dir is not None and Path(checkpoint).resolve() == run_dir.export.resolve() \
             and (run_dir.export / manifest.MANIFEST).exists():

@@ -30,7 +30,7 @@ DEPENDS = {
     "training": ("models", "data"),  # a run resolved (launcher side) and trained (rank side)
     "launch": ("training",),  # torchrun, the launcher, cluster files, the image, the download
     "outputs": ("models",),  # export, verify, report, the model card
-    "host": ("launch",),  # doctor, image builds, pins, push
+    "host": ("launch", "outputs"),  # doctor, image builds, pins, push; the Make interface (every stage's request)
     "stages": ("host", "outputs"),
     "cli": ("stages",),  # pipeline/__main__.py
 }

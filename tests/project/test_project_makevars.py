@@ -62,8 +62,8 @@ def test_the_check_finds_a_variable_missing_from_the_table():
 
 # stage → the flags strings its Make targets pass it (the Makefile's recipes)
 PASSED = {"train": ("RUN_FLAGS", "TRAIN_FLAGS"), "launch": ("RUN_FLAGS", "TRAIN_FLAGS", "LAUNCH_FLAGS"),
-          "data": ("DATA_FLAGS",), "export": ("RUN_FLAGS",), "verify": ("RUN_FLAGS",), "eval": ("RUN_FLAGS",),
-          "publish": ("RUN_FLAGS",)}
+          "data": ("DATA_FLAGS",), "export": ("RUN_FLAGS", "EXPORT_FLAGS"), "verify": ("RUN_FLAGS", "VERIFY_FLAGS"),
+          "eval": ("RUN_FLAGS", "EVAL_FLAGS"), "publish": ("RUN_FLAGS", "PUBLISH_FLAGS"), "report": ("REPORT_FLAGS",)}
 
 
 @pytest.mark.parametrize("stage", sorted(PASSED))
@@ -74,5 +74,17 @@ def test_the_flags_strings_are_flags_of_the_stage(stage):
     _, parser = stage_parser(stage)
     vars_ = makevars.make_vars()
     passed = {re.search(r"--[a-z-]+", v.flag).group(0) for s in PASSED[stage] for v in vars_[s]}
-    assert {"--model", "--name" if "RUN_FLAGS" in PASSED[stage] else "--seq-len"} <= passed
+    assert {"--model", *(["--name"] if "RUN_FLAGS" in PASSED[stage] else ["--seq-len"] if "DATA_FLAGS" in PASSED[stage]
+                         else [])} <= passed
     assert passed <= set(parser._option_string_actions), passed - set(parser._option_string_actions)
+
+
+def test_a_variable_several_stages_take_has_one_row_from_the_first_string():
+    """FORCE, DRY_RUN and ADAPTER are fields of several requests: one row each (the first string's meaning),
+    and each string still passes its own stage's flag."""
+    rows = [line for line in makevars.render().splitlines() if line.split("|")[0] in ("DRY_RUN", "FORCE", "ADAPTER")]
+    assert [row.split("|")[0] for row in rows] == ["DRY_RUN", "FORCE", "ADAPTER"]
+    assert "train: launch past the host-memory check" in rows[1] and "publish: 1 uploads those" in rows[2]
+    flags_of = {s: " ".join(v.flag for v in found) for s, found in makevars.make_vars().items()}
+    assert "$(call on,FORCE),--force" in flags_of["EXPORT_FLAGS"] and "--dry-run" in flags_of["PUBLISH_FLAGS"]
+    assert "$(call on,ADAPTER),--adapter" in flags_of["EXPORT_FLAGS"] and "--adapter" in flags_of["PUBLISH_FLAGS"]
