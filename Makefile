@@ -76,6 +76,9 @@ TITAN_SIM_VENV := .venv-titan-sim
 TRANSFORMERS4_VENV := .venv-transformers4
 # lm-evaluation-harness 0.4 over the dev venv (~150 MB, ~30 s): `make eval` and its tests.
 LM_EVAL_VENV := .venv-lm-eval
+# vLLM's CPU build, a venv of its own (its torch is 2.13.0+cpu, not the dev venv's; ~3.5 GB, ~3 min):
+# `make serve`, `make generate` and their tests. VLLM=<a vllm executable> uses another (trn2: docs/serving.md).
+VLLM_VENV ?= .venv-vllm
 # A passed test's tmp_path is deleted when it ends: the suite trains and saves hundreds of tiny runs, and
 # kept until the session's end they left CI's disk too full for the image build that follows them. Only the
 # last session's failed tests are kept (CI machines keep /tmp between runs).
@@ -89,8 +92,8 @@ TRAIN_DEPS := $(if $(call on,DRY_RUN),,download data)
 EMBEDDED_MODELS := tiny tiny-moe
 
 .PHONY: help setup setup-test python-check download data export verify-checkpoint \
-        verify-kernels smoke report publish image pin push doctor launch-slurm launch-eks rehearse pipeline sft lora dpo lint test test-fast \
-        setup-titan-main test-titan-main setup-titan-sim test-titan-sim setup-transformers4 setup-lm-eval eval bench clean distclean
+        verify-kernels smoke report publish image pin push doctor launch-slurm launch-eks rehearse pipeline sft lora dpo lint test test-fast export-verify \
+        setup-titan-main test-titan-main setup-titan-sim test-titan-sim setup-transformers4 setup-lm-eval setup-vllm serve generate eval bench clean distclean
 
 help: ## list the targets and variables
 	@echo "targets:"
@@ -145,6 +148,9 @@ export: setup ## HF safetensors of a run's last checkpoint: <run dir>/export
 verify-checkpoint: setup ## reload an export: zero missing keys, tensors, step-1 loss → verify.json
 	$(PIPE) verify $(if $(CHECKPOINT),$(VERIFY_FLAGS),$(RUN_FLAGS))
 
+export-verify: setup ## export, then verify-checkpoint, in one process (one Python start-up less: what pipeline and sft/lora/dpo run)
+	$(PIPE) export $(RUN_FLAGS) $(EXPORT_FLAGS) --then verify $(RUN_FLAGS)
+
 verify-kernels: setup ## every NKI override vs its reference (fwd+bwd), table of errors
 	$(PIPE) verify-kernels $(if $(TARGET),--target $(call q,$(TARGET)))
 
@@ -169,6 +175,12 @@ launch-slurm: setup ## render an sbatch script for NODES trn2 nodes (the train-*
 launch-eks: setup ## render Kubernetes manifests for NODES trn2 nodes (the train-* variables, IMAGE pushed by digest)
 	$(HOST_PIPE) launch --scheduler eks $(RUN_FLAGS) $(TRAIN_FLAGS) $(LAUNCH_FLAGS)
 
+serve: setup $(if $(VLLM),,setup-vllm) ## vLLM's OpenAI-compatible server on a run's export (SERVE_HOST:SERVE_PORT, the run's name as the model; CPU build here, docs/serving.md for trn2)
+	$(HOST_PIPE) serve $(RUN_FLAGS) $(SERVE_FLAGS) $(if $(VLLM),,--vllm $(call q,$(VLLM_VENV)/bin/vllm))
+
+generate: setup $(if $(VLLM),,setup-vllm) ## greedy completion of PROMPT by vLLM on a run's export: a quick look (MAX_TOKENS, default 32)
+	$(HOST_PIPE) generate $(RUN_FLAGS) $(GENERATE_FLAGS) $(if $(VLLM),,--vllm $(call q,$(VLLM_VENV)/bin/vllm))
+
 eval: setup setup-lm-eval ## a run's export through lm-evaluation-harness (EVAL_TASKS: held-out log-likelihood and multiple choice by default) → <run dir>/eval.json and the card
 	$(HOST_PIPE) eval $(RUN_FLAGS) $(EVAL_FLAGS) --harness $(call q,$(LM_EVAL_VENV)/bin/lm-eval)
 
@@ -187,8 +199,7 @@ rehearse: setup download data ## trn2.toml's parallel plan on CPU ranks (hf, nat
 # Chat fine-tuning in one command: train the run, export it, verify the export.
 define FINETUNE
 $(PIPE) train $(RUN_FLAGS) $(TRAIN_FLAGS)
-$(if $(call on,DRY_RUN),,$(PIPE) export $(RUN_FLAGS) --dtype $(call q,$(DTYPE)) --force)
-$(if $(call on,DRY_RUN),,$(PIPE) verify $(RUN_FLAGS))
+$(if $(call on,DRY_RUN),,$(PIPE) export $(RUN_FLAGS) --dtype $(call q,$(DTYPE)) --force --then verify $(RUN_FLAGS))
 endef
 # A second `make sft` with the same settings finds the run finished (more STEPS continues it; FRESH=1 starts again).
 sft: CONFIG ?= configs/finetune/sft.toml
@@ -198,7 +209,7 @@ sft: setup $(TRAIN_DEPS) ## supervised fine-tuning on chat data (configs/finetun
 
 lora: CONFIG ?= configs/finetune/lora.toml
 lora: RUN_NAME ?= lora
-lora: setup $(TRAIN_DEPS) ## LoRA fine-tuning on chat data (configs/finetune/lora.toml; native or nki), then export (merged weights) + verify, and the adapters alone (PEFT layout) → runs/<RUN_NAME, default lora>
+lora: setup $(TRAIN_DEPS) ## LoRA fine-tuning on chat data (configs/finetune/lora.toml; native, nki or hf), then export (merged weights) + verify, and the adapters alone (PEFT layout) → runs/<RUN_NAME, default lora>
 	$(FINETUNE)
 	$(if $(call on,DRY_RUN),,$(PIPE) export $(RUN_FLAGS) --adapter --dtype float32 --force)
 
@@ -218,7 +229,7 @@ pipeline: setup ## the whole pipeline: every path (PATHS, default the registry's
 	  for p in $(PIPELINE_PATHS); do \
 	    echo "== $$m $$p: train → export → verify"; \
 	    $(SUB_MAKE) "train-$$p" MODEL="$$m" FRESH=1 $(if $(MODELS),,DTYPE=float32); \
-	    $(SUB_MAKE) export verify-checkpoint MODEL="$$m" TRAIN_PATH="$$p" FORCE=1 $(if $(MODELS),,DTYPE=float32); \
+	    $(SUB_MAKE) export-verify MODEL="$$m" TRAIN_PATH="$$p" FORCE=1 $(if $(MODELS),,DTYPE=float32); \
 	  done; \
 	  $(SUB_MAKE) report MODEL="$$m"; \
 	done; \
@@ -228,7 +239,7 @@ pipeline: setup ## the whole pipeline: every path (PATHS, default the registry's
 lint: setup-test ## ruff over the repository (the rules: pyproject.toml)
 	$(call q,$(VENV)/bin/ruff) check .
 
-test: setup-test lint setup-transformers4 setup-lm-eval ## lint, then the whole test suite, as CI runs it (CPU only; trains tiny models, rehearses the trn2 plan)
+test: setup-test lint setup-transformers4 setup-lm-eval setup-vllm ## lint, then the whole test suite, as CI runs it (CPU only; trains tiny models, rehearses the trn2 plan)
 	$(PY) -m pytest -q --durations=15 $(PYTEST_TMP) -m "not titan_e2e" tests
 
 test-fast: setup-test lint ## lint, then the fast tier: everything that does not train or build images (about 3 min on 2 cores)
@@ -267,6 +278,13 @@ $(LM_EVAL_VENV)/.installed: requirements-lm-eval.lock $(VENV)/.installed
 	$(call OVER_DEV_VENV,$(LM_EVAL_VENV),requirements-lm-eval.lock,--no-deps)
 	touch $@
 
+setup-vllm: $(VLLM_VENV)/.installed ## vLLM's CPU build in a venv of its own (requirements-vllm.lock): make serve, make generate
+$(VLLM_VENV)/.installed: requirements-vllm.lock
+	rm -rf $(VLLM_VENV)
+	$(call q,$(PYTHON)) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps -r requirements-vllm.lock
+	touch $@
+
 setup-titan-sim: $(TITAN_SIM_VENV)/.installed ## the SIMULATED "main after #4328" venv of test-titan-sim (TITAN_MAIN_WHEEL edited by tests/titan_sim.py)
 $(TITAN_SIM_VENV)/.installed: tests/titan_sim.py requirements-titan-main.lock $(VENV)/.test-installed
 	$(CHECK_TITAN_MAIN_WHEEL)
@@ -286,7 +304,7 @@ test-titan-main: setup-titan-main ## torchtitan-facing fast tests plus every pat
 test-titan-sim: setup-titan-sim ## SIMULATED "main after #4328" (#4328's documented change applied to TITAN_MAIN_WHEEL): torchtitan-facing fast tests plus every path's train → export → verify
 	PIPELINE_CONTAINER_TESTS=0 $(TITAN_SIM_VENV)/bin/python -m pytest $(TITAN_TIER_TESTS)
 
-bench: setup ## measure overhead, time to first step, scaling, export/verify, memory → bench/results.json, and README's table from it
+bench: setup ## measure overhead, time to first step, scaling, export/verify, memory, TRL peers (BENCH_ONLY=overhead,ttfs,scaling,export,size,pipeline,peers) → bench/results.json, and README's table from it
 	BENCH_REPEATS=$(call q,$(BENCH_REPEATS)) BENCH_ONLY=$(call q,$(BENCH_ONLY)) $(PY) -m bench.run
 	$(PY) -m bench.readme_table
 

@@ -55,6 +55,43 @@ def rows(results: dict) -> list[tuple[str, str, str]]:
     if "pipeline" in results:
         found.append(("`make pipeline` (tiny + tiny-moe, every path)", f"{_median(results['pipeline']['wall_s']):.0f} s",
                       at.get("pipeline", "")))
+    peers = results.get("peers") or {}
+    for kind, trainer in (("sft", "SFTTrainer"), ("dpo", "DPOTrainer")):
+        entry = peers.get(kind)
+        if not entry:
+            continue
+        model, settings = peers["model"], entry["settings"]
+        found.append((f"{kind.upper()}: pipeline vs TRL {trainer}, real tokens/s ({model['hub_config']} shape, "
+                      f"{model['num_hidden_layers']} layers, seq {settings['seq_len']} × {settings['local_batch_size']}, "
+                      f"float32, {entry['threads']} threads; interleaved)",
+                      f"{_median(entry['pipeline_tokens_per_s']):.0f} vs {_median(entry['trl_tokens_per_s']):.0f} = "
+                      f"{_median(entry['ratio']):.2f}× (samples {_samples(entry['ratio'], '.2f')}); step-1 loss "
+                      f"{entry['pipeline_step1_loss']:.4f} vs {entry['trl_step1_loss']:.4f} (on the same rows Δ "
+                      f"{entry['same_rows_step1_loss_abs_diff']:.1g}); peak RSS "
+                      f"{_median(entry['pipeline_peak_rss_mib']) / 1024:.1f} vs {_median(entry['trl_peak_rss_mib']) / 1024:.1f} GiB",
+                      at.get("peers", "")))
+    sft = peers.get("sft") or {}
+    if "packing_efficiency" in sft:
+        packing = sft["packing_efficiency"]
+        found.append(("SFT: real tokens / tokens computed (packing)",
+                      f"pipeline {packing['pipeline_step1']:.0%} (rows padded to seq_len); TRL 100% (padding-free; its "
+                      f"best-fit rows {packing['trl']['efficiency']:.0%} full)", at.get("peers", "")))
+    profile = sft.get("profile") or {}
+    if "pipeline" in profile:
+        real = sft["pipeline"][0]["real_tokens_step1"]  # the profiled pipeline batch is run 1's step 1
+        pipe, trl, full = profile["pipeline"], profile["trl"], profile["trl_full_logits"]
+        found.append((f"SFT: one step each in one process, fastest of {profile['repeats']} (the pipeline's batch through "
+                      "transformers' model, as bench/bare_loop.py): real tokens/s",
+                      f"pipeline {real / pipe['step_s']:.1f} vs TRL {trl['tokens'] / trl['step_s']:.1f} = "
+                      f"{real / pipe['step_s'] / (trl['tokens'] / trl['step_s']):.2f}×; TRL's batch with every "
+                      f"position's logits {full['tokens'] / full['step_s']:.1f}", at.get("peers", "")))
+
+        def split(side: dict) -> str:
+            return (f"{side['lm_head_and_loss_cpu_s']:.1f} + {side['backbone_cpu_s']:.1f} "
+                    f"({side['attention_s']:.2f} s) for {side['tokens']} tokens, {side['labelled']} labelled")
+        found.append(("SFT: that step's CPU seconds, LM head + loss + backbone (attention): pipeline · TRL · TRL's batch "
+                      "with every position's logits", " · ".join(split(profile[k]) for k in ("pipeline", "trl", "trl_full_logits")),
+                      at.get("peers", "")))
     return found
 
 

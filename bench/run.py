@@ -14,6 +14,11 @@ sides of a ratio alternate within each repeat):
             exported (throughput vs cp, peak RSS vs the largest tensor), verified (vs
             from_pretrained + one forward; first and repeated verify)
   pipeline  `make pipeline` (the README command) on the embedded defaults, wall time
+  peers     SFT and DPO on the pipeline (configs/finetune/{sft,dpo}.toml) vs TRL's SFTTrainer / DPOTrainer
+            (bench/peers.py) on the same Hub-shaped model (Qwen3-0.6B's config, fewer layers: the real
+            vocabulary and layer shape), data, seq len, batch, float32, lr, optimizer and threads, the two
+            alternating: steady real (non-padding) tokens/s, step-1 loss, peak RSS, the ratios; and one
+            profiled step of each (attention, vocabulary-sized ops, the rest)
 Every stage run is a child process; its max RSS (largest process of its tree) comes from wait4.
 Prints a table and writes bench/results.json; sections not run keep their earlier figures, dated.
 Outputs go under PIPELINE_CHECKPOINTS (default a temp dir).
@@ -35,11 +40,19 @@ from pipeline import envvars
 REPO = Path(__file__).resolve().parent.parent
 
 PY = sys.executable
-SECTIONS = ("overhead", "ttfs", "scaling", "export", "size", "pipeline")
+SECTIONS = ("overhead", "ttfs", "scaling", "export", "size", "pipeline", "peers")
 STEPS = 12
 OVERHEAD_STEPS = 20
 SIZE_MODEL = "Qwen3-0.6B"  # configs/hub_configs/<name>.json
 GIB = 2**30
+# peers: Qwen3-0.6B's layers and its 151,936-word vocabulary, 2 of its 28 layers; the LM head and loss, the part a
+# vocabulary this size makes dominant, are full size. Even so one step of 1,024 tokens took 49 s on 2 busy cores
+# (2026-12-07), so the section (8 trainings) runs 256-token SFT rows (the chat set's conversations: median 95
+# tokens, all but one ≤ 256) and 128-token DPO rows (pairs: median 68, 402 of 413 ≤ 128), one row (pair) a step.
+PEERS_MODEL, PEERS_OVERRIDES = "Qwen3-0.6B", {"num_hidden_layers": 2}
+PEERS_STEPS = 5
+PEERS_WORK = {"sft": {"seq_len": 256, "local_batch_size": 1}, "dpo": {"seq_len": 128, "local_batch_size": 1}}
+PEERS_SAME_ROWS_TOLERANCE = 1e-4  # |Δ step-1 loss| on the same conversations, two float32 implementations
 SCHEMA = 2  # issue 14's bench; results.json files of an older schema are replaced, not merged
 
 
@@ -286,6 +299,52 @@ class Bench:
             walls.append(result["wall_s"])
         self.results["pipeline"] = {"wall_s": summary(walls), "target_s": 300}
 
+    # ---- peers: TRL on the same work ---------------------------------------------------------
+
+    def peers(self) -> None:
+        from bench import hub_shaped
+        from pipeline.data import dataset as sets
+        from pipeline.run.rundir import RunDir
+
+        self.prepare("tiny")
+        name = f"{PEERS_MODEL}-{PEERS_OVERRIDES['num_hidden_layers']}L"
+        source = hub_shaped.make(self.root / "hub" / name, PEERS_MODEL, self.home("tiny").source_dir(), PEERS_OVERRIDES)
+        if not self.home(str(source)).is_downloaded():  # its data is tiny's chat and preference sets, not its own
+            self.pipe("download", "--model", str(source))
+        data = self.home("tiny").data_file.parent
+        out = {"model": {"hub_config": PEERS_MODEL, **PEERS_OVERRIDES, "vocab_size": 151936},
+               "settings": {"steps": PEERS_STEPS, "dtype": "float32", "nproc_per_node": 1},
+               "same_rows_tolerance": PEERS_SAME_ROWS_TOLERANCE, "target_sft_ratio": 1.5}
+        runs: dict[str, dict[str, list]] = {"sft": {"pipeline": [], "trl": []}, "dpo": {"pipeline": [], "trl": []}}
+        for _ in range(self.repeats):
+            for kind, dataset in (("sft", data / sets.CHAT_FILE), ("dpo", data / sets.PREFERENCE_FILE)):
+                run_dir, rss = self.peer_pipeline(str(source), kind, dataset)
+                runs[kind]["pipeline"].append({**peer_pipeline_figures(run_dir, kind), "max_rss_mib": rss})
+                result = run([PY, "-m", "bench.peers", kind, str(RunDir(run_dir).run_json),
+                              str(run_dir / "first_batch" / "rank0.safetensors"), str(PEERS_STEPS)],
+                             {**self.env, **launch_env(RunDir(run_dir).run_json)})
+                self.memory.setdefault(f"TRL {kind} ({name})", []).append(result["max_rss_mib"])
+                runs[kind]["trl"].append({**last_json(result["out"]), "max_rss_mib": result["max_rss_mib"]})
+        for kind, sides in runs.items():
+            out[kind] = {"settings": PEERS_WORK[kind], **peer_comparison(kind, sides["pipeline"], sides["trl"])}
+        run_dir = self.home(str(source)).run("peers-sft").path
+        profiled = run([PY, "-m", "bench.peers", "profile", str(RunDir(run_dir).run_json),
+                        str(run_dir / "first_batch" / "rank0.safetensors")], {**self.env, **launch_env(RunDir(run_dir).run_json)})
+        out["sft"]["profile"] = last_json(profiled["out"])
+        self.results["peers"] = out
+
+    def peer_pipeline(self, model: str, kind: str, dataset: Path) -> tuple[Path, float]:
+        import tomllib
+
+        settings = tomllib.loads((REPO / "configs" / "finetune" / f"{kind}.toml").read_text())["train"]
+        # No eval and no save inside the run: TRL does neither here, and neither is a training step.
+        settings.update(steps=PEERS_STEPS, **PEERS_WORK[kind], dtype="float32", eval_every=0, checkpoint_interval=10 * PEERS_STEPS, dataset=str(dataset))
+        config = self.root / f"peers-{kind}.toml"
+        config.write_text("[train]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in settings.items()))
+        result = self.pipe("train", "--model", model, "--path", "native", "--fresh", "--name", f"peers-{kind}",
+                           "--config", str(config), label=f"train native {kind} 1 rank (peers)")
+        return self.home(model).run(f"peers-{kind}").path, result["max_rss_mib"]
+
 
 def launch_env(run_json: Path) -> dict:
     """What the train stage put in the environment of this run's ranks."""
@@ -295,6 +354,69 @@ def launch_env(run_json: Path) -> dict:
 
     spec = RunSpec.load(run_json)
     return targets.TARGETS[spec.target].launch_vars({}, host_need(spec))
+
+
+def real_tokens(batch: dict, kind: str) -> int:
+    """Tokens of a recorded batch that are not padding. SFT: the packed row segments (positions restart at 0) with a
+    labelled token; the rest is the pad up to seq_len. DPO: each row up to its last labelled token (one row per
+    side of a pair, padded to seq_len)."""
+    total = 0
+    for positions, labels in zip(batch["positions"], batch["labels"]):
+        labelled = (labels != -100).nonzero().flatten()
+        if kind == "dpo":
+            total += int(labelled[-1]) + 1 if len(labelled) else 0
+            continue
+        starts = (positions == 0).nonzero().flatten().tolist() + [len(positions)]
+        total += sum(b - a for a, b in zip(starts, starts[1:]) if (labels[a:b] != -100).any())
+    return total
+
+
+def peer_pipeline_figures(run_dir: Path, kind: str) -> dict:
+    """A pipeline run's figures in the TRL side's terms: steady tokens/s counts real tokens only (the step computes
+    on seq_len × batch; its first batch's share of real tokens stands for every step's)."""
+    from safetensors.torch import load_file
+
+    batch = load_file(str(run_dir / "first_batch" / "rank0.safetensors"))
+    records = metrics(run_dir)
+    computed, real = batch["input"].numel(), real_tokens(batch, kind)
+    step_s = steady(run_dir, 10 * PEERS_STEPS)
+    from pipeline.run.rundir import RunDir
+
+    spec = json.loads(RunDir(run_dir).run_json.read_text())
+    threads = json.loads((run_dir / "timings.json").read_text()).get("threads")
+    return {"steady_step_s": step_s, "step_times_s": [m["step_time_s"] for m in records],
+            "computed_tokens_per_step": computed, "real_tokens_step1": real, "packing_efficiency": real / computed,
+            "steady_tokens_per_s": real / step_s, "steady_computed_tokens_per_s": computed / step_s,
+            "labelled_tokens_step1": int((batch["labels"] != -100).sum()), "step1": records[0], "threads": threads,
+            "attention_backend": spec["settings"]["attention_backend"]}
+
+
+def peer_comparison(kind: str, pipeline: list[dict], trl: list[dict]) -> dict:
+    threads = [(p["threads"], t["threads"]) for p, t in zip(pipeline, trl)]
+    if any(a != b for a, b in threads):
+        raise SystemExit(f"bench: TRL ran with other threads than the pipeline's rank: {threads}")
+    out = {"pipeline_tokens_per_s": summary([p["steady_tokens_per_s"] for p in pipeline]),
+           "trl_tokens_per_s": summary([t["steady_tokens_per_s"] for t in trl]),
+           "ratio": summary([p["steady_tokens_per_s"] / t["steady_tokens_per_s"] for p, t in zip(pipeline, trl)]),
+           "pipeline_step_s": summary([p["steady_step_s"] for p in pipeline]),
+           "trl_step_s": summary([t["steady_step_s"] for t in trl]),
+           "pipeline_peak_rss_mib": summary([p["max_rss_mib"] for p in pipeline]),
+           "trl_peak_rss_mib": summary([t["max_rss_mib"] for t in trl]),
+           "pipeline_step1_loss": pipeline[0]["step1"]["loss"], "trl_step1_loss": trl[0]["step1"]["loss"],
+           "threads": threads[0][0], "pipeline": pipeline, "trl": trl}
+    if kind == "sft":
+        same = trl[0]["same_rows"]
+        # The same conversations must be scored on both sides, or the step-1 comparison says nothing.
+        if same["labelled_tokens"] != same["pipeline_labelled_tokens"]:
+            raise SystemExit(f"bench: TRL's same-rows batch is not the pipeline's step-1 batch: {same}")
+        out["same_rows_step1_loss_abs_diff"] = abs(same["loss"] - pipeline[0]["step1"]["loss"])
+        out["packing_efficiency"] = {"pipeline_step1": pipeline[0]["packing_efficiency"], "trl": trl[0]["packing"]}
+    else:
+        # Both sides read the pairs in the pipeline's order: step 1 holds the same pairs, the policy is the reference.
+        out["step1_logps_chosen"] = {"pipeline": pipeline[0]["step1"]["logps/chosen"], "trl": trl[0]["step1"]["logps/chosen"]}
+        out["same_rows_step1_loss_abs_diff"] = abs(pipeline[0]["step1"]["loss"] - trl[0]["step1"]["loss"])
+    out["same_rows_within_tolerance"] = out["same_rows_step1_loss_abs_diff"] <= PEERS_SAME_ROWS_TOLERANCE
+    return out
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -352,6 +474,15 @@ def table(results: dict) -> str:
                       f"  verify/plain first {fmt(e['verify_first_over_plain'], '×')}, repeated {fmt(e['verify_repeat_over_plain'], '×')}"]
     if "pipeline" in results:
         lines += ["", f"make pipeline (tiny + tiny-moe, every path): {fmt(results['pipeline']['wall_s'])}"]
+    peers = results.get("peers") or {}
+    for kind in ("sft", "dpo"):
+        e = peers.get(kind)
+        if e:
+            lines += ["", f"peers, {kind} ({peers['model']}, {peers['settings']}, {e['settings']}): real tokens/s",
+                      f"  pipeline {fmt(e['pipeline_tokens_per_s'], 'tok/s')}; TRL {fmt(e['trl_tokens_per_s'], 'tok/s')}",
+                      f"  ratio    {fmt(e['ratio'], '×')}; step-1 loss {e['pipeline_step1_loss']:.5f} vs {e['trl_step1_loss']:.5f}"
+                      f" (same rows |Δ| {e['same_rows_step1_loss_abs_diff']:.2g}); peak RSS "
+                      f"{fmt(e['pipeline_peak_rss_mib'], 'MiB')} vs {fmt(e['trl_peak_rss_mib'], 'MiB')}"]
     lines += ["", "peak memory (max RSS of the largest process of each stage):"]
     lines += [f"  {k:34s} {v['median']:.0f} MiB (spread {v['spread']:.0f}, n={v['n']})" for k, v in results["memory_mib"].items()]
     lines += ["", "sections measured at: " + ", ".join(f"{k} {v}" for k, v in results["measured_at"].items())]

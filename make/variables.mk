@@ -9,7 +9,7 @@ TARGET|detected|cpu, cuda or trn2 (train: detected when unset; launch: trn2)
 CONFIG||your config file, layered over configs/<target>.toml key by key
 REVISION|configs/models.toml|the Hub revision the run must start from (as downloaded)
 TITAN_ARGS||torchtitan flags applied over the built config, e.g. TITAN_ARGS="--training.steps 5 --lr-scheduler.warmup-steps 1" (--help lists them)
-DRY_RUN|0|resolve and print the run (train: and its torchrun command; launch: and its files); launch and write nothing
+DRY_RUN|0|train, launch: resolve and print the run (and its torchrun command, its launch files), launch and write nothing; publish: list what would be uploaded, no network
 FRESH|0|discard this run (checkpoints, metrics, export, verify.json) and start it again
 FORCE|0|1: replace an existing download or export; train: launch past the host-memory check (CPU)
 NPROC|config|ranks per node (default: the target's config)
@@ -28,7 +28,7 @@ LAUNCH_DIR|checkpoints/<key>/launch/<scheduler>-<NODES>|where to write (default:
 PARTITION||slurm: sbatch --partition (default: the cluster's default partition)
 ACCOUNT||slurm: sbatch --account
 TIME_LIMIT||slurm: sbatch --time, e.g. 04:00:00 (default: the partition's limit)
-JOB_NAME|qwen3-<model>-<path>|sbatch --job-name / the Job's name (default: qwen3-<model key>-<run name>)
+JOB_NAME|qwen3-<model>-<run name>|sbatch --job-name / the Job's name (default: qwen3-<model key>-<run name>)
 DATASET_SPLIT|train|a Hub dataset's split to copy for fine-tuning (data/hub/; runs with DATASET then read the copy)
 DATASET_EVAL_SPLIT||its held-out split, copied beside it for eval loss (e.g. test)
 DATASET_COLUMNS||our name=their column, comma-separated (messages, prompt, completion, text), e.g. messages=conversations or prompt=question,completion=answer
@@ -44,6 +44,14 @@ EVAL_TASKS|pipeline_heldout_loglikelihood,pipeline_heldout_choice|eval: comma-se
 EVAL_LIMIT||eval: at most this many documents per task
 HUB_REPO||publish: the Hub model repository (<user or org>/<name>) a run's verified export is uploaded to
 PUBLIC|0|publish: 1 creates the repository public (default private)
+SERVE_HOST|127.0.0.1|serve: the address the server listens on (0.0.0.0: every interface)
+SERVE_PORT|8000|serve: its port
+MAX_MODEL_LEN||serve, generate: the longest prompt + completion in tokens (default the run's SEQ_LEN)
+KV_CACHE_GIB|1.0|serve, generate: GiB for vLLM's KV cache (default 1)
+SERVE_COMPILE|0|serve, generate: 1 lets vLLM compile the model first (slower start, faster tokens)
+VLLM|.venv-vllm/bin/vllm|serve, generate: a vllm executable other than `make setup-vllm`'s CPU build (trn2: the vLLM Neuron plugin's, docs/serving.md)
+PROMPT||generate: the prompt (a user turn in the chat template for chat and DPO runs)
+MAX_TOKENS|32|generate: tokens per prompt
 MODELS|tiny tiny-moe|pipeline: the models it runs (space-separated MODEL values)
 PATHS|every path|pipeline: the training paths it runs (space-separated)
 IN_CONTAINER|$(IN_CONTAINER)|1: run stages inside the pipeline image (default 1 on a Neuron host whose venv lacks torch-neuronx)
@@ -54,11 +62,12 @@ BENCH_REPEATS|2|bench: repeats per measurement
 BENCH_ONLY|all|bench: comma-separated sections
 PYTHON|$(PYTHON)|the Python that builds .venv (3.11 or newer)
 VENV|$(VENV)|the virtual environment
+VLLM_VENV|$(VLLM_VENV)|where `make setup-vllm` builds vLLM's venv (serve and generate use it unless VLLM is given)
 TITAN_MAIN_WHEEL|$(TITAN_MAIN_WHEEL)|test-titan-main, test-titan-sim: a wheel of upstream torchtitan main (docs/sources.md)
 endef
 # Variables whose default is a value: the user may not give them empty.
-DEFAULTED_VARS := MODEL TRAIN_PATH DTYPE IN_CONTAINER PYTHON VENV TITAN_MAIN_WHEEL
-BOOL_VARS := DRY_RUN FRESH FORCE ADAPTER PUBLIC IN_CONTAINER VERBOSE
+DEFAULTED_VARS := MODEL TRAIN_PATH DTYPE IN_CONTAINER PYTHON VENV VLLM_VENV TITAN_MAIN_WHEEL
+BOOL_VARS := DRY_RUN FRESH FORCE ADAPTER PUBLIC SERVE_COMPILE IN_CONTAINER VERBOSE
 RUN_FLAGS = --model $(call q,$(MODEL)) \
   --path $(call q,$(TRAIN_PATH)) \
   $(if $(RUN_NAME),--name $(call q,$(RUN_NAME)))
@@ -110,4 +119,16 @@ PUBLISH_FLAGS = --repo=$(call q,$(HUB_REPO)) \
   $(if $(call on,PUBLIC),--public) \
   $(if $(call on,DRY_RUN),--dry-run) \
   $(if $(call on,ADAPTER),--adapter)
+SERVE_FLAGS = $(if $(SERVE_HOST),--host $(call q,$(SERVE_HOST))) \
+  $(if $(SERVE_PORT),--port $(call q,$(SERVE_PORT))) \
+  $(if $(MAX_MODEL_LEN),--max-model-len $(call q,$(MAX_MODEL_LEN))) \
+  $(if $(KV_CACHE_GIB),--kv-cache-gib $(call q,$(KV_CACHE_GIB))) \
+  $(if $(call on,SERVE_COMPILE),--compile) \
+  $(if $(VLLM),--vllm $(call q,$(VLLM)))
+GENERATE_FLAGS = --prompt=$(call q,$(PROMPT)) \
+  $(if $(MAX_TOKENS),--max-tokens $(call q,$(MAX_TOKENS))) \
+  $(if $(MAX_MODEL_LEN),--max-model-len $(call q,$(MAX_MODEL_LEN))) \
+  $(if $(KV_CACHE_GIB),--kv-cache-gib $(call q,$(KV_CACHE_GIB))) \
+  $(if $(call on,SERVE_COMPILE),--compile) \
+  $(if $(VLLM),--vllm $(call q,$(VLLM)))
 REPORT_FLAGS = --model $(call q,$(MODEL))

@@ -19,6 +19,8 @@ STAGES = {
     "verify-kernels": ("pipeline.stages.verify_kernels", "check every NKI override against its reference"),
     "smoke": ("pipeline.stages.smoke", "touch the devices first: device count, one op, a 2-rank all-reduce, the RoPE kernel"),
     "eval": ("pipeline.stages.eval", "a run's export through lm-evaluation-harness: held-out log-likelihood, multiple choice"),
+    "serve": ("pipeline.stages.serve", "vLLM's OpenAI-compatible server on a run's export"),
+    "generate": ("pipeline.stages.generate", "greedy completions of a prompt by vLLM on a run's export"),
     "publish": ("pipeline.stages.publish", "upload a run's verified export to a Hugging Face Hub model repository"),
     "report": ("pipeline.stages.report", "loss curves and a summary of a model's runs"),
     "summary": ("pipeline.stages.summary", "the table make pipeline ends with: each run's losses, export and verify"),
@@ -60,18 +62,43 @@ def stage_parser(stage: str):
     return module, parser
 
 
+THEN = "--then"  # `python -m pipeline export … --then verify …`: stages in order, in one process
+
+
+def segments(argv: list[str]) -> list[list[str]]:
+    """argv split at each `--then <stage>`: one Python start-up and one import of torch and transformers for stages
+    run back to back (`make export-verify`, the fine-tuning targets)."""
+    out = [[]]
+    for i, word in enumerate(argv):
+        if word == THEN and i + 1 < len(argv) and argv[i + 1] in STAGES:
+            out.append([])
+        else:
+            out[-1].append(word)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
     parser = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__, allow_abbrev=False,
-                                     epilog="stages: " + "; ".join(f"{k}: {v[1]}" for k, v in STAGES.items()))
+                                     epilog="stages: " + "; ".join(f"{k}: {v[1]}" for k, v in STAGES.items())
+                                     + f". `{THEN} <stage> …` runs another stage after it, in the same process.")
     parser.add_argument("stage", choices=STAGES)
     if not argv or argv[0] not in STAGES:
         parser.parse_args(argv[:1] or ["--help"])
-    stage = argv[0]
-    module, parser = stage_parser(stage)
-    args = parser.parse_args(argv[1:])
+    planned = []
+    for segment in segments(argv):  # every command line is parsed before the first stage runs
+        module, stage_args = stage_parser(segment[0])
+        planned.append((module, stage_args.parse_args(segment[1:])))
+    for module, args in planned:
+        code = _run(module, args, debug)
+        if code:
+            return code
+    return 0
+
+
+def _run(module, args: argparse.Namespace, debug: bool) -> int:
     try:
         module.run(args)
     except PipelineError as err:

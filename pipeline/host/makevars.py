@@ -22,6 +22,7 @@ from pipeline.data.user_data import DataRequest
 from pipeline.outputs.export import ExportRequest
 from pipeline.outputs.harness import EvalRequest
 from pipeline.outputs.publish import PublishRequest
+from pipeline.outputs.serve import GenerateRequest, ServeRequest
 from pipeline.outputs.verify import VerifyRequest
 
 OUTPUT = Path(__file__).resolve().parents[2] / "make" / "variables.mk"
@@ -41,6 +42,8 @@ FLAG_STRINGS = {
     "VERIFY_FLAGS": ((VerifyRequest, None),),
     "EVAL_FLAGS": ((EvalRequest, None),),
     "PUBLISH_FLAGS": ((PublishRequest, None),),
+    "SERVE_FLAGS": ((ServeRequest, None),),
+    "GENERATE_FLAGS": ((GenerateRequest, None), (ServeRequest, ("max_model_len", "kv_cache_gib", "compile", "vllm"))),
     "REPORT_FLAGS": ((RunRef, ("model",)),),
 }
 # An unset TrainSettings variable leaves the value to configs/<target>.toml and CONFIG=.
@@ -63,6 +66,8 @@ MAKE_ONLY = (
     ("BENCH_ONLY", "all", "bench: comma-separated sections"),
     ("PYTHON", "$(PYTHON)", "the Python that builds .venv (3.11 or newer)"),
     ("VENV", "$(VENV)", "the virtual environment"),
+    ("VLLM_VENV", "$(VLLM_VENV)", "where `make setup-vllm` builds vLLM's venv (serve and generate use it unless VLLM is "
+     "given)"),
     ("TITAN_MAIN_WHEEL", "$(TITAN_MAIN_WHEEL)", "test-titan-main, test-titan-sim: a wheel of upstream torchtitan "
      "main (docs/sources.md)"),
 )

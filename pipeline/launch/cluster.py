@@ -111,7 +111,7 @@ class LaunchRequest:
     time_limit: str | None = flag(None, "slurm: sbatch --time, e.g. 04:00:00 (default: the partition's limit)",
                                     make="TIME_LIMIT")
     job_name: str | None = flag(None, "sbatch --job-name / the Job's name (default: qwen3-<model key>-<run name>)",
-                                  make="JOB_NAME", make_default="qwen3-<model>-<path>")
+                                  make="JOB_NAME", make_default="qwen3-<model>-<run name>")
     local_image_ok: bool = False  # the rehearsal runs the pods' command here: no image is pulled
 
 
@@ -280,13 +280,28 @@ def _env_lines(plan_: LaunchPlan) -> dict:
             envvars.CHECKPOINTS: plan_.cluster_checkpoints, "PYTHONUNBUFFERED": "1"}
 
 
+def job_name(plan_: LaunchPlan) -> str:
+    """JOB_NAME, or qwen3-<model key>-<run name>: two runs of one path (sft and dpo on native) are two jobs."""
+    return plan_.job_name or f"qwen3-{plan_.spec.model_key}-{Path(plan_.spec.run_dir).name}"
+
+
+def kubernetes_name(name: str) -> str:
+    """`name` as a Kubernetes object name (RFC 1123 label: lower-case letters, digits and '-'), short enough for
+    the StatefulSet's pod names and the `-run` ConfigMap beside it."""
+    label = re.sub(r"[^a-z0-9-]+", "-", name.lower())[:50].strip("-")
+    if not label:
+        raise PipelineError(f"JOB_NAME={name!r} has no letter or digit to name the Kubernetes objects with.",
+                            "give JOB_NAME letters or digits (e.g. JOB_NAME=team-a-sft), or leave it out.")
+    return label
+
+
 def sbatch_options(plan_: LaunchPlan) -> list[str]:
     """The #SBATCH lines: the job's name, size, where it may run and for how long, and its log per job."""
     spec = plan_.spec
     # Requeue (after a node failure, a preemption, `scontrol requeue`) resumes from the last complete
     # checkpoint only when the run writes checkpoints; without them a requeue would start over.
     resumable = spec.settings.checkpoint_interval > 0
-    options = [f"--job-name={plan_.job_name or f'qwen3-{spec.model_key}-{spec.path}'}",
+    options = [f"--job-name={job_name(plan_)}",
                f"--nodes={plan_.nodes}", "--ntasks-per-node=1", "--exclusive",
                f"--output={plan_.output}/slurm-%j.out", "--requeue" if resumable else "--no-requeue"]
     for sbatch_option, value in (("partition", plan_.partition), ("account", plan_.account), ("time", plan_.time_limit)):
@@ -414,7 +429,7 @@ def render_eks(plan_: LaunchPlan) -> dict[str, str]:
     import yaml
 
     spec = plan_.spec
-    name = f"qwen3-{spec.model_key.lower()}-{spec.path}".replace("_", "-").replace(".", "-")[:50].strip("-")
+    name = kubernetes_name(job_name(plan_))
     labels = {"app.kubernetes.io/name": name}
     env = {**_env_lines(plan_), "MASTER_ADDR": f"{name}-0.{name}", "MASTER_PORT": str(RDZV_PORT), "RDZV_ID": name}
     # HF_TOKEN from a Secret (never in the manifest); optional: public models need none.

@@ -1,19 +1,75 @@
-"""LoRA adapters on the native and nki paths through torchtitan's LoRA converter
-(torchtitan.components.lora.LoRAConverter, in 0.3.0 and main): target Linear configs become
-LoRALinear (frozen base, trainable lora_a/lora_b, output + alpha/rank · B·A·x), every other module
-frozen. The optimizer then holds state only for the adapters (AdamW makes state only for parameters
-that get gradients). The run's last step saves the weights merged (W + alpha/rank · B·A; pipeline.titan.lora), so
-export and verify see a plain model.
+"""LoRA's targets on each model family, and the adapters on the native and nki paths.
+
+native, nki: torchtitan's LoRA converter (torchtitan.components.lora.LoRAConverter, in 0.3.0 and main): target
+Linear configs become LoRALinear (frozen base, trainable lora_a/lora_b, output + alpha/rank · B·A·x), every
+other module frozen. hf: PEFT's LoRA layers in transformers' own modules (pipeline.models.hf.lora). The
+optimizer then holds state only for the adapters (AdamW makes state only for parameters that get gradients).
+The run's last step saves the weights merged (W + alpha/rank · B·A; pipeline.titan.lora), so export and verify
+see a plain model. MoE experts are no Linear on either model (fused expert tensors): they get no adapters, on
+the hf path too, where PEFT would put its parameter LoRA on the fused tensors (hf_targets).
+
+Importable without torch: the launcher checks targets and the memory estimate counts adapters with it.
 """
 
 from __future__ import annotations
 
+from pipeline.errors import PipelineError
+from pipeline.run.settings import closest
+
 # torchtitan Qwen3's attention (fused wqkv, wo) and MLP (w1, w2, w3) projections
 DEFAULT_TARGETS = ("wqkv", "wo", "w1", "w2", "w3")
+# transformers' Qwen3 modules each of torchtitan's projections is (w1 gate, w3 up, w2 down): lora_targets
+# written for the native path mean the same projections on the hf path.
+HF_MODULES = {"wqkv": ("q_proj", "k_proj", "v_proj"), "wo": ("o_proj",), "w1": ("gate_proj",),
+              "w2": ("down_proj",), "w3": ("up_proj",)}
+HF_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def targets(settings) -> list[str]:
+def targets(settings, arch=None) -> list[str]:
     return list(settings.lora_targets) or list(DEFAULT_TARGETS)
+
+
+def hf_targets(settings, arch) -> list[str]:
+    """The transformers module names PEFT adapts: lora_targets in HF's names or torchtitan's (mapped), by
+    default every attention and MLP projection; anything else is refused in one line. An MoE model's MLP
+    projections are left out: its experts are fused tensors, not Linears, which PEFT 0.21 would still adapt
+    when asked for gate/up/down_proj (its transformers-v5 MoE mapping onto target_parameters); the native path
+    gives them no adapters either, and the merge and adapter export handle Linears only."""
+    out: list[str] = []
+    for name in settings.lora_targets or HF_DEFAULT_TARGETS:
+        if name not in HF_DEFAULT_TARGETS and name not in HF_MODULES:
+            raise PipelineError(f"lora_targets: {name!r} is no projection of Qwen3 on the hf path"
+                                f"{closest(name, HF_DEFAULT_TARGETS + DEFAULT_TARGETS)}.",
+                                f"use transformers' names ({', '.join(HF_DEFAULT_TARGETS)}) or torchtitan's "
+                                f"({', '.join(DEFAULT_TARGETS)}), or leave lora_targets out for all of them.")
+        out += [m for m in HF_MODULES.get(name, (name,)) if m not in out]
+    linear = hf_sizes(arch)
+    if not any(m in linear for m in out):
+        raise PipelineError(f"lora_targets {', '.join(out)}: this MoE model has no such Linear (its experts are fused "
+                            "tensors, which get no adapters).", "add attention projections (q_proj, k_proj, v_proj, "
+                            "o_proj, or wqkv, wo) to lora_targets, or leave it out.")
+    return [m for m in out if m in linear]
+
+
+def native_sizes(arch) -> dict[str, int]:
+    """in + out features of each adaptable projection of one layer (a rank-r adapter has r times that);
+    wqkv is one fused projection; MoE layers' experts are no Linear."""
+    h, hd, inter = arch.hidden_size, arch.head_dim, arch.intermediate_size
+    qkv = (arch.num_attention_heads + 2 * arch.num_key_value_heads) * hd
+    sizes = {"wqkv": h + qkv, "wo": arch.num_attention_heads * hd + h}
+    if not arch.is_moe:
+        sizes |= {"w1": h + inter, "w2": inter + h, "w3": h + inter}
+    return sizes
+
+
+def hf_sizes(arch) -> dict[str, int]:
+    """native_sizes in transformers' modules: q, k and v are three (each its own A)."""
+    h, hd, inter = arch.hidden_size, arch.head_dim, arch.intermediate_size
+    q, kv = arch.num_attention_heads * hd, arch.num_key_value_heads * hd
+    sizes = {"q_proj": h + q, "k_proj": h + kv, "v_proj": h + kv, "o_proj": q + h}
+    if not arch.is_moe:
+        sizes |= {"gate_proj": h + inter, "up_proj": h + inter, "down_proj": inter + h}
+    return sizes
 
 
 def apply(description, settings):

@@ -12,8 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pipeline.checkpoint.arch import Qwen3Arch
 from pipeline.errors import PipelineError
-from pipeline.models import attention_backends
+from pipeline.models import attention_backends, lora
 from pipeline.run.settings import TrainSettings, closest
 from pipeline.run.spec import RunSpec
 
@@ -69,6 +70,23 @@ HF_TP_PLAN = TensorParallelPlan(("attention", "mlp", "embedding", "lm_head"), Tr
 
 
 @dataclass(frozen=True)
+class LoraSupport:
+    """How a path's model takes LoRA adapters (lora_rank > 0; pipeline.models.lora): what makes them, the names
+    they get in the model (a key of pipeline.titan.lora.NAMES: what the trainer freezes around, merges and saves,
+    and DPO's reference switches off), the modules they adapt for the run's settings (an unknown target is a
+    PipelineError, raised before launch) and each module's in + out features (the memory estimate)."""
+
+    made_by: str
+    names: str
+    targets: Callable[[TrainSettings, Qwen3Arch], list[str]]
+    sizes: Callable[[Qwen3Arch], dict[str, int]]
+
+
+TITAN_LORA = LoraSupport("torchtitan's LoRA converter", "titan", lora.targets, lora.native_sizes)
+PEFT_LORA = LoraSupport("PEFT's LoRA layers", "peft", lora.hf_targets, lora.hf_sizes)
+
+
+@dataclass(frozen=True)
 class TrainingPath:
     name: str
     summary: str
@@ -81,8 +99,8 @@ class TrainingPath:
     # weight-sized accumulators (models/nki/layout.py, moe_cte_reference_backward): the memory
     # estimate adds that working set.
     blockwise_experts_backward: Callable[[TrainSettings], bool] = lambda settings: False
-    # Whether torchtitan's LoRA converter applies: it works on torchtitan's model configs.
-    lora: bool = True
+    # How its model takes LoRA adapters; None: it does not.
+    lora: LoraSupport | None = TITAN_LORA
     # Whether the model's attention is torchtitan's, so attention_backend chooses it (transformers' own
     # modules run their own attention).
     titan_attention: bool = True
@@ -94,7 +112,7 @@ class TrainingPath:
 
 
 def _native(spec: RunSpec):
-    from pipeline.models import lora, native
+    from pipeline.models import native
 
     # FSDP on one rank shards nothing; it still casts parameters when they train in a lower precision.
     shard = spec.world_size > 1 or spec.settings.dtype != "float32"
@@ -110,7 +128,9 @@ def _hf(spec: RunSpec):
     from pipeline.models import hf
 
     config = read_json_object(Path(spec.source_dir) / "config.json", "run `make download … FORCE=1`.")
-    return hf.describe(config, spec.model_key, spec.settings.seq_len)
+    s = spec.settings
+    adapters = (s.lora_rank, s.lora_alpha, tuple(lora.hf_targets(s, spec.arch))) if s.lora_rank > 0 else None
+    return hf.describe(config, spec.model_key, s.seq_len, lora=adapters)
 
 
 def _native_overrides(target: str, settings: TrainSettings) -> tuple[str, ...]:
@@ -138,6 +158,13 @@ def _prepare_hf(spec: RunSpec, dry_run: bool) -> None:
         raise PipelineError("the hf path's tensor-parallel plan computes wrong gradients under torch.compile "
                             f"(compile = true with tensor_parallel = {s.tensor_parallel}).",
                             "set compile = false for the hf path ([paths.hf] in the config) or tensor_parallel = 1.")
+    if s.lora_rank > 0 and s.tensor_parallel > 1:
+        # The TP plan's ParallelStyles take nn.Linear; PEFT's LoRA layer wraps one (base_layer, lora_A, lora_B)
+        # and would need its own plan for the adapters, which nothing here has been checked against.
+        raise PipelineError(f"LoRA on the hf path has no tensor-parallel plan for PEFT's adapter layers "
+                            f"(lora_rank = {s.lora_rank} with tensor_parallel = {s.tensor_parallel}).",
+                            "set tensor_parallel = 1 for the hf path (FSDP still shards it), or train LoRA with "
+                            "TP on the native path.")
 
 
 def _prepare_nki(spec: RunSpec, dry_run: bool) -> None:
@@ -150,7 +177,7 @@ PATHS: dict[str, TrainingPath] = {
     p.name: p
     for p in (
         TrainingPath("hf", "Transformers v5's own Qwen3 (AutoModelForCausalLM from config.json) trained by torchtitan",
-                     _hf, prepare=_prepare_hf, landmarks=HF_LANDMARKS, tp_plan=HF_TP_PLAN, lora=False, titan_attention=False,
+                     _hf, prepare=_prepare_hf, landmarks=HF_LANDMARKS, tp_plan=HF_TP_PLAN, lora=PEFT_LORA, titan_attention=False,
                      rope_cache_per_layer=False,
                      colour="tab:blue",
                      line=("-", "o")),

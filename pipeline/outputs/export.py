@@ -34,7 +34,6 @@ from pipeline.run import rundir
 from pipeline.run.rundir import RunDir
 
 SINGLE_FILE = "model.safetensors"  # save_pretrained's name for an unsharded checkpoint (no index)
-PEFT_ADAPTER = "default"  # PEFT's adapter name, which save_pretrained leaves out of the saved keys
 
 
 @dataclass(frozen=True)
@@ -276,8 +275,8 @@ def export_adapter(config: ExportConfig) -> Path:
     # The run's own keys and shapes: the HF save's headers mapped back by the run's adapter, on meta tensors.
     saved = hf_dir.read_tensors(hf)
     meta = adapter.from_hf({key: torch.empty(info.shape, device="meta") for key, info in saved.items()})
-    tensors = lora.peft_tensors(trained, meta,
-                                lambda key: next(iter(adapter.to_hf({key: meta[key]}))), spec.arch.num_key_value_heads)
+    tensors = lora.peft_tensors(trained, meta, lambda key: next(iter(adapter.to_hf({key: meta[key]}))),
+                                spec.arch.num_key_value_heads, lora.NAMES[registry.get(spec.path).lora.names])
     modules = sorted({key.split(".lora_")[0].rsplit(".", 1)[1] for key in tensors})
     base, revision, _on_hub = model_card.base_model(spec)
     peft_config = LoraConfig(task_type="CAUSAL_LM", r=settings.lora_rank, lora_alpha=settings.lora_alpha,
@@ -292,8 +291,8 @@ def export_adapter(config: ExportConfig) -> Path:
     hf_config._name_or_path = base  # get_peft_model takes base_model_name_or_path from the model's name
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf_config)
-    peft_model = get_peft_model(model, peft_config, adapter_name=PEFT_ADAPTER, low_cpu_mem_usage=True)
-    named = {key.replace(".lora_A.", f".lora_A.{PEFT_ADAPTER}.").replace(".lora_B.", f".lora_B.{PEFT_ADAPTER}."):
+    peft_model = get_peft_model(model, peft_config, adapter_name=lora.PEFT_ADAPTER, low_cpu_mem_usage=True)
+    named = {key.replace(".lora_A.", f".lora_A.{lora.PEFT_ADAPTER}.").replace(".lora_B.", f".lora_B.{lora.PEFT_ADAPTER}."):
              value.to(getattr(torch, config.dtype)) for key, value in tensors.items()}
     loaded = peft_model.load_state_dict(named, strict=False, assign=True)
     empty = [name for name, param in peft_model.named_parameters() if ".lora_" in name and param.is_meta]

@@ -93,7 +93,7 @@ class TrainSettings:
     lnc: int = 1
     constraint_policy: str = setting("error", choices=("error", "fallback"))
     nki_overrides: list = field(default_factory=list)
-    # LoRA (native, nki: pipeline.models.lora): rank 0 trains every weight; > 0 trains adapters of
+    # LoRA (every path: pipeline.models.lora): rank 0 trains every weight; > 0 trains adapters of
     # that rank on `lora_targets` (default: attention and MLP projections), scaled alpha / rank.
     lora_rank: int = 0
     lora_alpha: float = 16.0

@@ -16,6 +16,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> Path:
+    if args.output.is_dir():
+        raise PipelineError(f"--output {args.output} is a directory.", "give the file to write, e.g. make/variables.mk.")
     if args.check:
         if not args.output.is_file() or args.output.read_text() != makevars.render():
             raise PipelineError(f"{args.output} is not what the dataclasses' fields give.",

@@ -92,15 +92,16 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 class Reference:
     """The frozen starting weights for the reference forward, swapped into the policy's own parameters in place:
     a copy of each parameter's local shard (full fine-tuning), or zeros for the adapters' B matrices (LoRA: the
-    adapters' output B·A·x is then 0, which is the base with its adapters off)."""
+    adapters' output B·A·x is then 0, which is the base with its adapters off). `adapters`: a LoRA run's
+    pipeline.titan.lora.AdapterNames (torchtitan's or PEFT's), None for full fine-tuning."""
 
-    def __init__(self, model_parts, lora: bool):
-        from pipeline.titan.lora import ADAPTER_B
-
+    def __init__(self, model_parts, adapters=None):
         self.model_parts = model_parts
         named = [(n, p) for part in model_parts for n, p in part.named_parameters()]
-        self.lora = lora
-        self.params = [p for n, p in named if n.endswith(ADAPTER_B)] if lora else [p for _, p in named]
+        self.lora = adapters is not None
+        self.params = [p for n, p in named if n.endswith(adapters.b)] if self.lora else [p for _, p in named]
+        if self.lora and not self.params:
+            raise RuntimeError(f"DPO with LoRA: the model has no adapter B matrices (no parameter ends {adapters.b})")
         self.frozen: list[torch.Tensor] | None = None
 
     @torch.no_grad()
@@ -187,7 +188,7 @@ class PreferenceTrainer(PipelineTrainer):
 
     def __init__(self, config, **kwargs):
         super().__init__(config, **kwargs)
-        self.reference = Reference(self.model_parts, lora=bool(getattr(self.checkpointer, "lora", None)))
+        self.reference = Reference(self.model_parts, getattr(self.checkpointer, "adapter_names", None))
         self.checkpointer.reference = self.reference
         self._sums: torch.Tensor | None = None
         self.metrics_processor.step_metrics = self._step_metrics

@@ -173,6 +173,7 @@ class WeightsCheckpointManager(accessors.checkpoint_manager_base()):
         lora_rank: int = 0
         lora_alpha: float = 16.0
         kv_heads: int = 0  # the model's, for LoRA's merge into the fused wqkv's wq/wk/wv
+        lora_names: str = "titan"  # the adapters' names in the model: a key of pipeline.titan.lora.NAMES
         run_dir: str = ""
         """The run's directory (pipeline.run.rundir.RunDir): where the digests, saves.jsonl and the HF
         saves' record live. Given, not derived from a step folder, so the checkpoint folder's place in
@@ -183,13 +184,17 @@ class WeightsCheckpointManager(accessors.checkpoint_manager_base()):
         so that the export has the source's keys."""
 
     lora: tuple[int, float, int] | None = None  # (rank, alpha, kv heads) of a LoRA run, from the config
+    adapter_names = None  # pipeline.titan.lora.AdapterNames of a LoRA run
     timings: dict[str, float] | None = None  # PipelineTrainer.timings: after_load adds "loaded"
 
     def __init__(self, config: Config, **kwargs):
         super().__init__(config, **kwargs)
         self.run = RunDir(Path(config.run_dir))
         if config.lora_rank > 0:
+            from pipeline.titan import lora
+
             self.lora = (config.lora_rank, config.lora_alpha, config.kv_heads)
+            self.adapter_names = lora.NAMES[config.lora_names]
         self.stored_tied_head = config.tied_embeddings and _stores_lm_head(config.initial_load_path)
 
     def before_save(self, step: int, last_step: bool) -> None:
@@ -263,8 +268,8 @@ class WeightsCheckpointManager(accessors.checkpoint_manager_base()):
         if self.lora is not None:  # LoRA: the merged weights, a plain model for export and verify
             from pipeline.titan import lora
 
-            adapters = lora.adapter_tensors(state)  # and the adapters alone, for `export --adapter`
-            state = lora.merged(state, *self.lora)
+            adapters = lora.adapter_tensors(state, self.adapter_names)  # and the adapters alone, for `export --adapter`
+            state = lora.merged(state, *self.lora, self.adapter_names)
         dtype = self.export_dtype
         state = {k: v.to(dtype) if v.is_floating_point() and v.dtype != dtype else v for k, v in state}
         if rank == 0:
@@ -375,7 +380,7 @@ class PipelineTrainer(Trainer):
         if getattr(self.checkpointer, "lora", None):
             from pipeline.titan import lora
 
-            trainable = lora.freeze_base(self.model_parts)
+            trainable = lora.freeze_base(self.model_parts, self.checkpointer.adapter_names)
             logger.info(f"LoRA: {trainable:,} adapter parameters train, the rest is frozen")
 
     def forward_backward_step(self, **kwargs):

@@ -62,7 +62,8 @@ def build_config(spec: RunSpec):
         from pipeline.titan.dpo import PreferenceTrainer
 
         trainer, method = PreferenceTrainer, {"dpo_beta": s.dpo_beta, "dpo_loss": s.dpo_loss}
-    model = model_spec.trainer_fields(registry.get(spec.path).build(spec), trainer.Config)
+    path = registry.get(spec.path)
+    model = model_spec.trainer_fields(path.build(spec), trainer.Config)
     config = trainer.Config(
         **method,
         run_dir=str(run_dir),
@@ -116,6 +117,7 @@ def build_config(spec: RunSpec):
             lora_rank=s.lora_rank,
             lora_alpha=s.lora_alpha,
             kv_heads=spec.arch.num_key_value_heads,
+            lora_names=path.lora.names if path.lora else "titan",
         ),
         activation_checkpoint=_activation_checkpoint(s.activation_checkpoint),
         compile=CompileConfig(enable=s.compile, backend=s.compile_backend),

@@ -121,7 +121,7 @@ def estimate(arch: Qwen3Arch, settings: TrainSettings, path: str, target: str, d
     per_tp_rank = sum(v / tp if k in plan.tp_sharded else v for k, v in counts.items())
     params_rank = per_tp_rank / dp
     compute = DTYPES[settings.dtype].bytes
-    adapters = lora_params(arch, settings) / dp if settings.lora_rank else 0.0
+    adapters = lora_params(arch, settings, path) / dp if settings.lora_rank else 0.0
     trained = adapters if settings.lora_rank else params_rank  # LoRA: gradients and AdamW state for adapters only
     parts = {
         "parameters": 4 * (params_rank + adapters),
@@ -162,7 +162,7 @@ def estimate(arch: Qwen3Arch, settings: TrainSettings, path: str, target: str, d
     notes = [f"TP {tp} × FSDP {dp}; {'SP; ' if plan.sequence_parallel else ''}activation checkpointing "
              f"{settings.activation_checkpoint}; seq_len {settings.seq_len} × local batch {settings.local_batch_size}"
              + (f"; LoRA rank {settings.lora_rank}: gradients and optimizer state for "
-                f"{lora_params(arch, settings):,} adapter parameters" if settings.lora_rank else "")
+                f"{lora_params(arch, settings, path):,} adapter parameters" if settings.lora_rank else "")
              + ("; DPO: 2 rows per pair" + ("" if settings.lora_rank else ", the reference model's weights") if dpo else "")]
     return MemoryEstimate(parts, capacity_per_rank(target, settings.lnc), notes)
 
@@ -226,17 +226,15 @@ def _smaller_plan(arch: Qwen3Arch, settings: TrainSettings, path: str, target: s
     return f"; {estimate(arch, chosen, path, target, dpo).notes[0]} would fit"
 
 
-def lora_params(arch: Qwen3Arch, settings: TrainSettings) -> int:
-    """Adapter parameters of a LoRA run: rank × (in + out) per adapted projection (pipeline.models.lora;
-    wqkv is one fused projection; MoE experts are no Linear and get none)."""
-    from pipeline.models import lora
-
-    h, hd, inter = arch.hidden_size, arch.head_dim, arch.intermediate_size
-    qkv = (arch.num_attention_heads + 2 * arch.num_key_value_heads) * hd
-    sizes = {"wqkv": h + qkv, "wo": arch.num_attention_heads * hd + h}
-    if not arch.is_moe:
-        sizes |= {"w1": h + inter, "w2": inter + h, "w3": h + inter}
-    return settings.lora_rank * arch.num_hidden_layers * sum(sizes.get(t, 0) for t in lora.targets(settings))
+def lora_params(arch: Qwen3Arch, settings: TrainSettings, path: str) -> int:
+    """Adapter parameters of a LoRA run: rank × (in + out) per adapted projection, in the path's own modules
+    (registry.LoraSupport: native's wqkv is one fused projection, hf's q/k/v three; MoE experts are no Linear and
+    get none)."""
+    support = registry.get(path).lora
+    if support is None:
+        return 0
+    sizes = support.sizes(arch)
+    return settings.lora_rank * arch.num_hidden_layers * sum(sizes.get(t, 0) for t in support.targets(settings, arch))
 
 
 def check(arch: Qwen3Arch, settings: TrainSettings, path: str, target: str, dpo: bool = False) -> MemoryEstimate:

@@ -46,7 +46,9 @@ class RunRequest(RunRef):
                                        make_help="torchtitan flags applied over the built config, e.g. "
                                        "TITAN_ARGS=\"--training.steps 5 --lr-scheduler.warmup-steps 1\" (--help lists them)")
     dry_run: bool = flag(False, "resolve and print the run (train: and its torchrun command; launch: and its files); "
-                         "launch and write nothing", make="DRY_RUN")
+                         "launch and write nothing", make="DRY_RUN",
+                         make_help="train, launch: resolve and print the run (and its torchrun command, its launch "
+                         "files), launch and write nothing; publish: list what would be uploaded, no network")
     fresh: bool = flag(False, "discard this run (checkpoints, metrics, export, verify.json) and start it again",
                        make="FRESH")
     force: bool = flag(False, "launch on CPU even when the ranks' memory estimate is more than this host has "
@@ -157,17 +159,19 @@ def check_parallelism(spec: RunSpec) -> None:
 
 
 def check_lora(spec: RunSpec) -> None:
-    """LoRA goes through torchtitan's model-config converter, which the native model config has;
-    the hf path's model is transformers' own module tree."""
+    """Each path makes adapters its own way (registry.LoraSupport); its targets are checked here, before launch."""
     s = spec.settings
     if s.lora_rank < 0 or (s.lora_rank and s.lora_alpha <= 0):
         raise PipelineError(f"lora_rank = {s.lora_rank}, lora_alpha = {s.lora_alpha}: rank must be ≥ 0 (0: off) "
                             "and alpha > 0.", "fix them in your config.")
-    if s.lora_rank and not registry.get(spec.path).lora:
+    if not s.lora_rank:
+        return
+    support = registry.get(spec.path).lora
+    if support is None:
         able = [p for p in registry.names() if registry.get(p).lora]
-        raise PipelineError(f"LoRA (lora_rank > 0) runs on the {' and '.join(able)} paths (torchtitan's LoRA converter "
-                            f"works on torchtitan's model configs); the {spec.path} path trains transformers' own "
-                            "modules.", f"use `make train-{able[0]}`, or lora_rank = 0.")
+        raise PipelineError(f"LoRA (lora_rank > 0) runs on the {', '.join(able)} paths; the {spec.path} path has "
+                            "no way to make adapters.", f"use `make train-{able[0]}`, or lora_rank = 0.")
+    support.targets(s, spec.arch)
 
 
 def check_preference(spec: RunSpec) -> None:

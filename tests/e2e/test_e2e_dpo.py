@@ -150,13 +150,14 @@ def test_make_dpo_matches_transformers_and_trl(checkpoints, tmp_path):
     assert abs(ours["rewards/margins"]) > 100 * TRL_TOLERANCE["rewards/margins"]  # a margin the bound can tell
 
 
-def test_lora_dpo_on_two_ranks_keeps_the_base_as_reference(checkpoints, tmp_path):
+@pytest.mark.parametrize("path", ["native", "hf"])  # torchtitan's LoRA converter; PEFT's layers (lora_B.default)
+def test_lora_dpo_on_two_ranks_keeps_the_base_as_reference(checkpoints, tmp_path, path):
     from tiny_checkpoint import ok
 
     train, held, _ = _pairs(checkpoints, tmp_path)
     root = copy_model(checkpoints, tmp_path / "root", link=True)
     config = _config(tmp_path, held, nproc_per_node=2, local_batch_size=1, lora_rank=8, lora_alpha=16.0, lr=2e-3)
-    ok(cli("train", "--model", "tiny", "--path", "native", "--config", str(config), "--dataset", str(train),
+    ok(cli("train", "--model", "tiny", "--path", path, "--config", str(config), "--dataset", str(train),
            "--name", "lora-dpo", "--export-dtype", "float32", root=root))
     run = root / "tiny" / "runs" / "lora-dpo"
     _check_step1_and_frozen_reference(run, root / "tiny" / "source")

@@ -108,6 +108,35 @@ def test_launch_options_reach_the_sbatch(tmp_path):
                      "#SBATCH --partition=trn2", "#SBATCH --account=ml-team", "#SBATCH --time=04:00:00"]
 
 
+def test_each_run_is_a_job_of_its_own_named_after_it(tmp_path):
+    """Two runs of one path (RUN_NAME=sft and RUN_NAME=dpo on native) were one job name, so the second EKS apply
+    replaced the first's objects; JOB_NAME reached the sbatch only."""
+    root = tmp_path / "ckpt"
+    image = "registry.example/qwen3@sha256:" + "a" * 64
+    names = {}
+    for run, given in (("sft", None), ("dpo", None), ("dpo", "Team_A.dpo")):
+        out = tmp_path / f"{run}-{given}"
+        extra = [f"RUN_NAME={run}"] + ([f"JOB_NAME={given}"] if given else [])
+        make("launch-slurm", "MODEL=tiny", "TARGET=cpu", "NODES=2", "RUNTIME=venv", f"LAUNCH_DIR={out}/slurm", *extra,
+             root=root)
+        make("launch-eks", "MODEL=tiny", "TARGET=cpu", "NODES=2", f"IMAGE={image}", f"CLUSTER_CHECKPOINTS={root}",
+             f"LAUNCH_DIR={out}/eks", *extra, root=root)
+        sbatch = (out / "slurm" / "train.sbatch").read_text()
+        docs = list(yaml.safe_load_all((out / "eks" / "job.yaml").read_text()))
+        names[run, given] = (sbatch.split("#SBATCH --job-name=")[1].split("\n")[0],
+                             {d["kind"]: d["metadata"]["name"] for d in docs})
+    assert names["sft", None][0] == "qwen3-tiny-sft" and names["dpo", None][0] == "qwen3-tiny-dpo"
+    assert names["sft", None][1]["ConfigMap"] == "qwen3-tiny-sft-run"
+    assert set(names["sft", None][1].values()).isdisjoint(names["dpo", None][1].values())
+    assert names["dpo", "Team_A.dpo"][0] == "Team_A.dpo"
+    assert names["dpo", "Team_A.dpo"][1]["ConfigMap"] == "team-a-dpo-run"  # an RFC 1123 name of JOB_NAME
+    from pipeline.errors import PipelineError
+    from pipeline.launch.cluster import kubernetes_name
+
+    with pytest.raises(PipelineError, match="no letter or digit"):
+        kubernetes_name("___")
+
+
 def test_fresh_is_refused_for_a_cluster_launch(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
     result = subprocess.run(["make", "--no-print-directory", "-o", ".venv/.installed", "launch-slurm", "MODEL=tiny",

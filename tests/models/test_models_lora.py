@@ -1,6 +1,7 @@
 """pipeline/models/lora.py: torchtitan's LoRA converter on the native model; the merged weights
 (what the run's last step saves and export reads) give the LoRA model's own outputs in a plain
-model; the hf path refuses LoRA in one line."""
+model; the hf path's targets in transformers' names (torchtitan's mapped, others refused in one line).
+PEFT's layers in the hf model: tests/models/test_models_hf_lora.py."""
 
 from __future__ import annotations
 
@@ -73,17 +74,55 @@ def test_merged_weights_reproduce_the_lora_model_in_a_plain_one(tmp_path):
 
     spec = resolve(RunRequest(model="tiny", path="native", target="cpu", dry_run=True, checkpoints_root=tmp_path))
     settings = replace(spec.settings, lora_rank=4, lora_alpha=8.0)
-    assert memory.lora_params(spec.arch, settings) == out["trainable"]
+    assert memory.lora_params(spec.arch, settings, "native") == out["trainable"]
     estimate = memory.estimate(spec.arch, settings, "native", "cpu")
     assert estimate.parts["optimizer"] == 8 * out["trainable"] / settings.world_size
 
 
-def test_the_hf_path_refuses_lora_in_one_line(tmp_path):
+def test_hf_targets_are_transformers_names_and_torchtitan_s_are_mapped():
+    from pipeline.checkpoint.arch import arch_from_config
+    from pipeline.checkpoint.embedded import EMBEDDED
+    from pipeline.models import lora
+    from pipeline.run.settings import TrainSettings
+
+    dense, moe = (arch_from_config(EMBEDDED[name].config) for name in ("tiny", "tiny-moe"))
+    every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    assert lora.hf_targets(TrainSettings(lora_rank=8), dense) == every
+    assert lora.hf_targets(TrainSettings(lora_rank=8, lora_targets=["wqkv", "w2"]), dense) == ["q_proj", "k_proj",
+                                                                                               "v_proj", "down_proj"]
+    assert lora.hf_targets(TrainSettings(lora_rank=8, lora_targets=["o_proj", "w1", "gate_proj"]), dense) == [
+        "o_proj", "gate_proj"]
+    # MoE: the experts are fused tensors, no Linear: the MLP targets are left out (as on native)
+    assert lora.hf_targets(TrainSettings(lora_rank=8), moe) == every[:4]
+    with pytest.raises(PipelineError, match="this MoE model has no such Linear"):
+        lora.hf_targets(TrainSettings(lora_rank=8, lora_targets=["w1", "w3"]), moe)
+    # the native path's own names, untouched
+    assert lora.targets(TrainSettings(lora_rank=8)) == ["wqkv", "wo", "w1", "w2", "w3"]
+
+
+def test_an_unknown_target_on_the_hf_path_is_refused_before_launch(tmp_path):
     from dataclasses import replace
 
     from pipeline.training.resolve import RunRequest, check_lora, resolve
 
     spec = resolve(RunRequest(model="tiny", path="hf", target="cpu", dry_run=True, checkpoints_root=tmp_path))
     spec.settings = replace(spec.settings, lora_rank=8)
-    with pytest.raises(PipelineError, match="LoRA .* runs on the native and nki paths"):
+    check_lora(spec)  # the hf path takes LoRA now
+    spec.settings = replace(spec.settings, lora_targets=["q_prj"])
+    with pytest.raises(PipelineError, match=r"'q_prj' is no projection of Qwen3 on the hf path \(did you mean q_proj\?\)") \
+            as refused:
         check_lora(spec)
+    assert "\n" not in str(refused.value) and "wqkv" in refused.value.fix
+
+
+def test_lora_with_tensor_parallelism_on_the_hf_path_is_refused_in_one_line(tmp_path):
+    from dataclasses import replace
+
+    from pipeline.models import registry
+    from pipeline.training.resolve import RunRequest, resolve
+
+    spec = resolve(RunRequest(model="tiny", path="hf", target="cpu", dry_run=True, checkpoints_root=tmp_path))
+    spec.settings = replace(spec.settings, lora_rank=8, tensor_parallel=2, nproc_per_node=2)
+    with pytest.raises(PipelineError, match="no tensor-parallel plan for PEFT's adapter layers"):
+        registry.get("hf").prepare(spec, True)
+    registry.get("hf").prepare(replace(spec, settings=replace(spec.settings, lora_rank=0)), True)  # full TP: as before

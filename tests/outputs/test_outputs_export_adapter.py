@@ -1,6 +1,7 @@
 """pipeline/outputs/export.py export_adapter: a LoRA run's adapters as PEFT writes them, a deliverable of its
 own: PEFT's AutoPeftModelForCausalLM loads them over the source from the directory alone and gives the merged
-export's logits; the tokenizer and a card beside them; every file 0644 like the export's."""
+export's logits (native's converter and the hf path's PEFT layers, on one rank and on two FSDP ranks); the
+tokenizer and a card beside them; every file 0644 like the export's."""
 
 from __future__ import annotations
 
@@ -32,6 +33,19 @@ def lora_run(tiny_root) -> Path:
     return runs_dir(tiny_root, "tiny", "lora")
 
 
+@pytest.fixture(scope="module", params=[1, 2], ids=["1-rank", "2-fsdp-ranks"])
+def hf_lora_run(request, tiny_root) -> Path:
+    """A 3-step LoRA run of tiny on the hf path (PEFT's LoRA layers in transformers' Qwen3), its merged export and
+    its adapters, both float32."""
+    name = f"lora-hf-{request.param}"
+    run_pipeline("train", "--model", "tiny", "--path", "hf", "--config", "configs/finetune/lora.toml", "--steps", "3",
+                 "--name", name, "--export-dtype", "float32", "--nproc-per-node", str(request.param), root=tiny_root)
+    for extra in ([], ["--adapter"]):
+        run_pipeline("export", "--model", "tiny", "--path", "hf", "--name", name, "--dtype", "float32", *extra,
+                     root=tiny_root)
+    return runs_dir(tiny_root, "tiny", name)
+
+
 def logits(model) -> torch.Tensor:
     with torch.no_grad():
         return model.eval()(torch.tensor(IDS)).logits
@@ -56,6 +70,34 @@ def test_auto_peft_loads_the_adapter_over_the_source_and_equals_the_merged_expor
     ours, theirs, plain = logits(peft_model), logits(merged), logits(base)
     assert (theirs - plain).abs().max() > 1e-3  # the adapters change the model
     assert torch.allclose(ours, theirs, atol=1e-5, rtol=0), (ours - theirs).abs().max()
+
+
+def test_hf_path_lora_adapter_loads_in_peft_and_equals_the_merged_export(hf_lora_run, tiny_root):
+    """The hf path trains PEFT's own layers: AutoPeftModelForCausalLM over the source gives the merged export's
+    logits; only the adapted projections moved (the frozen tensors are the source's bit for bit)."""
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    from helpers import tensors
+
+    projections = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    run = json.loads((hf_lora_run / "run.json").read_text())
+    assert run["path"] == "hf" and run["settings"]["lora_rank"] == 8
+    adapter_dir = hf_lora_run / "export-adapter"
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    assert config["r"] == 8 and config["lora_alpha"] == 16.0 and set(config["target_modules"]) == projections
+    peft_model = AutoPeftModelForCausalLM.from_pretrained(str(adapter_dir), dtype=torch.float32)
+    lora_b = [p for name, p in peft_model.named_parameters() if ".lora_B." in name]
+    assert len(lora_b) == 7 * 2 and all(p.abs().max() > 0 for p in lora_b)  # trained: B moved off zero
+    merged = AutoModelForCausalLM.from_pretrained(str(hf_lora_run / "export"), dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(str(source_dir(tiny_root)), dtype=torch.float32)
+    ours, theirs, plain = logits(peft_model), logits(merged), logits(base)
+    assert (theirs - plain).abs().max() > 1e-3  # training changed the model
+    assert torch.allclose(ours, theirs, atol=1e-5, rtol=0), (ours - theirs).abs().max()
+    exported, source = tensors(hf_lora_run / "export"), tensors(source_dir(tiny_root))
+    assert set(exported) == set(source)  # no adapter or base_layer keys: the plain layout
+    for key, value in source.items():
+        assert (not exported[key].equal(value)) == any(f".{p}." in key for p in projections), key
 
 
 def test_the_adapter_directory_is_a_repository_with_tokenizer_card_and_ordinary_modes(lora_run):

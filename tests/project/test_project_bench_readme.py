@@ -32,7 +32,14 @@ def test_every_figure_comes_from_results_json():
     assert f"| {RESULTS['pipeline']['wall_s']['median']:.0f} s |" in table
     for path, marks in RESULTS["ttfs"].items():
         assert f"| `make train-{path}` → step 1 | {marks['total']['median']:.1f} s |" in table
+    for kind in ("sft", "dpo"):  # peers: pipeline vs TRL, each side's tokens/s and their ratio
+        entry = RESULTS["peers"][kind]
+        assert (f"| {entry['pipeline_tokens_per_s']['median']:.0f} vs {entry['trl_tokens_per_s']['median']:.0f} = "
+                f"{entry['ratio']['median']:.2f}× (samples ") in table
+        assert f"step-1 loss {entry['pipeline_step1_loss']:.4f} vs {entry['trl_step1_loss']:.4f}" in table
     changed = copy.deepcopy(RESULTS)
+    changed["peers"]["sft"]["ratio"]["median"] = 9.87
+    assert "= 9.87× (samples" in readme_table.render(changed) and "= 9.87×" not in table
     changed["pipeline"]["wall_s"]["median"] = 999.0  # a new bench run: the README follows it
     assert "| 999 s |" in readme_table.render(changed) and "| 999 s |" not in table
 

@@ -27,6 +27,8 @@ def test_the_committed_file_is_current(tmp_path):
     stale.write_text(makevars.render().replace("STEPS|", "STEP|"))
     with pytest.raises(PipelineError, match="not what the dataclasses' fields give"):
         module.run(parser.parse_args(["--check", "--output", str(stale)]))
+    with pytest.raises(PipelineError, match="is a directory"):  # not an OSError traceback
+        module.run(parser.parse_args(["--output", str(tmp_path)]))
 
 
 def table(text: str) -> set[str]:

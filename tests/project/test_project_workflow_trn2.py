@@ -158,7 +158,7 @@ def test_make_pipeline_runs_every_registered_path_of_the_given_model():
     help_text = subprocess.run(["make", "-s", "help"], cwd=REPO, capture_output=True, text=True).stdout
     assert all(f"train-{name}" in help_text for name in registry.names())
     assert "DTYPE=float32" not in recipe  # a Hub model exports in the default dtype (bf16)
-    assert "report MODEL=" in result.stdout and "export verify-checkpoint" in result.stdout
+    assert "report MODEL=" in result.stdout and "export-verify MODEL=" in result.stdout
 
 
 def test_make_pipeline_passes_models_and_paths_as_data(tmp_path):

@@ -148,3 +148,19 @@ def test_bad_input_is_one_line_with_a_fix(case, checkpoints, tmp_path, monkeypat
 def test_debug_shows_the_traceback(checkpoints, tmp_path):
     result = run_pipeline(*TRAIN, "--target", "tpu", "--dry-run", "--debug", root=tmp_path, check=False)
     assert result.returncode != 0 and "Traceback" in result.stderr and "PipelineError" in result.stderr
+
+
+def test_then_runs_stages_in_order_in_one_process_after_parsing_them_all(tmp_path):
+    """`--then <stage>` chains stages (make export-verify): a bad later command line stops before the first stage
+    runs; a failing stage stops the chain with its own status."""
+    from helpers import cli
+
+    listed = cli("paths", root=tmp_path).stdout
+    assert listed and cli("paths", "--then", "paths", root=tmp_path).stdout == listed * 2
+    bad_later = cli("paths", "--then", "paths", "--no-such-flag", root=tmp_path)
+    assert bad_later.returncode == 2 and bad_later.stdout == "" and "--no-such-flag" in bad_later.stderr
+    failing_first = cli("verify", "--then", "paths", root=tmp_path)
+    assert failing_first.returncode == 2 and failing_first.stdout == ""
+    assert failing_first.stderr.startswith("error: verify needs --model")
+    # `--then` followed by no stage is a value, not a separator
+    assert cli("paths", "--then", root=tmp_path).returncode == 2

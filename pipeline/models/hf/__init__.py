@@ -15,8 +15,8 @@ the causal LM's `model` and `lm_head` as its own children. `HFQwen3StateDictAdap
 and fuses the experts (on disk: one key per expert) and drops a tied lm_head.
 
 Split by role as torchtitan's models/qwen3 is: `model` (the wrapper and its replaced forwards),
-`parallelize` (the TP plan and FSDP), `state_dict_adapter` (HF keys on disk); `describe` here hands
-the three to torchtitan.
+`parallelize` (the TP plan and FSDP), `state_dict_adapter` (HF keys on disk), and `lora` (PEFT's LoRA
+layers of a LoRA run); `describe` here hands the first three to torchtitan.
 """
 
 from __future__ import annotations
@@ -27,13 +27,16 @@ from pipeline.models.hf.state_dict_adapter import HFQwen3StateDictAdapter
 from pipeline.titan.model_spec import ModelDescription
 
 
-def describe(config_json: dict, name: str, seq_len: int) -> ModelDescription:
+def describe(config_json: dict, name: str, seq_len: int,
+             lora: tuple[int, float, tuple[str, ...]] | None = None) -> ModelDescription:
     """transformers' rotary embedding keeps no cache (cos/sin come from inv_freq per batch): `seq_len` reaches
-    torchtitan as the spec's max_context_length (#4328) and the limit update_from_config checks."""
+    torchtitan as the spec's max_context_length (#4328) and the limit update_from_config checks. `lora`: (rank,
+    alpha, HF module names) of a LoRA run, whose model carries PEFT's adapters (models/hf/lora.py)."""
+    rank, alpha, targets = lora or (0, 0.0, ())
     return ModelDescription(
         name="hf_qwen3",
         flavor=name,
-        model=HFQwen3.Config(config_json=config_json),
+        model=HFQwen3.Config(config_json=config_json, lora_rank=rank, lora_alpha=alpha, lora_targets=targets),
         max_context_length=seq_len,
         parallelize_fn=parallelize_hf_qwen3,
         state_dict_adapter=HFQwen3StateDictAdapter,

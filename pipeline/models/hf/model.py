@@ -11,6 +11,7 @@ from torch import nn
 
 from torchtitan.protocols.model import BaseModel
 
+from pipeline.models.hf import lora
 from pipeline.models.hf.parallelize import apply_fsdp, parallelize_hf_qwen3
 from pipeline.models.hf.state_dict_adapter import HFQwen3StateDictAdapter
 from pipeline.titan import api
@@ -99,6 +100,10 @@ class HFQwen3(BaseModel):
     class Config(BaseModel.Config):
         config_json: dict = field(default_factory=dict)
         """The checkpoint's config.json, verbatim: the only source of shapes."""
+        lora_rank: int = 0
+        """> 0: PEFT's LoRA adapters of this rank on `lora_targets` (transformers' module names; models/hf/lora.py)."""
+        lora_alpha: float = 0.0
+        lora_targets: tuple[str, ...] = ()
 
         def update_from_config(self, *, config, **kwargs) -> None:
             limit = int(self.config_json.get("max_position_embeddings", 0))
@@ -129,6 +134,8 @@ class HFQwen3(BaseModel):
         for module in self.model.modules():
             if type(module).__name__ in _REPLACED_FORWARDS:
                 module.__class__ = _with_forward(type(module))
+        if config.lora_rank > 0:
+            lora.inject(causal, config.lora_rank, config.lora_alpha, config.lora_targets)
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -157,6 +164,8 @@ class HFQwen3(BaseModel):
         for module in self._causal.modules():
             if module is not self._causal:
                 self._causal._init_weights(module)
+        if self.config.lora_rank > 0:
+            lora.reset(self)
         self._init_rope(buffer_device)
 
     def _init_rope(self, buffer_device: torch.device | None) -> None:

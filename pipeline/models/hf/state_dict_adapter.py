@@ -1,5 +1,6 @@
 """The hf path's state-dict adapter: the model's keys are HF's own; on disk each MoE expert is its own
-key (the model holds them fused) and a tied lm_head is absent."""
+key (the model holds them fused), a tied lm_head is absent, and in a LoRA run an adapted projection's weight
+is its plain key (the model's PEFT layer holds it as base_layer) and the adapters are not there at all."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from typing import Any
 import torch
 
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
+
+from pipeline.models.hf import lora
 
 
 _FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
@@ -24,14 +27,18 @@ class HFQwen3StateDictAdapter(StateDictAdapter):
         self.tied = bool(cfg.get("tie_word_embeddings", False))
         self.num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
         self.placements: dict[str, tuple] = {}
+        self.lora_targets = tuple(model_config.lora_targets) if model_config.lora_rank > 0 else ()
 
     def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         from torch.distributed.tensor import DTensor
 
         out = {}
         for key, value in state_dict.items():
-            if self.tied and key == "lm_head.weight":
+            # The adapters are no part of the HF checkpoint: a load leaves them as initialised, and the last
+            # step's save has merged them (pipeline.titan.lora.merged) before it gets here.
+            if (self.tied and key == "lm_head.weight") or lora.is_adapter(key):
                 continue
+            key = lora.on_disk(key)
             match = _FUSED.match(key)
             if not match:
                 out[key] = value
@@ -59,7 +66,7 @@ class HFQwen3StateDictAdapter(StateDictAdapter):
                 prefix, e, name = match.groups()
                 experts.setdefault(prefix, {})[(int(e), name)] = value
             else:
-                out[key] = value
+                out[lora.in_model(key, self.lora_targets) if self.lora_targets else key] = value
         for prefix, parts in experts.items():
             n = self.num_experts
             gate_up = torch.stack([torch.cat([parts[(e, "gate_proj")], parts[(e, "up_proj")]], 0) for e in range(n)])
