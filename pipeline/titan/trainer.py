@@ -382,6 +382,15 @@ class PipelineTrainer(Trainer):
 
             trainable = lora.freeze_base(self.model_parts, self.checkpointer.adapter_names)
             logger.info(f"LoRA: {trainable:,} adapter parameters train, the rest is frozen")
+        self.metrics_processor.step_metrics = self._head_metrics
+
+    def _head_metrics(self) -> dict[str, int]:
+        """lm_head_positions: the positions this rank's LM head ran on in the step (titan.labelled_loss)."""
+        from pipeline.titan.labelled_loss import LabelledTokensLoss
+
+        if not isinstance(self.loss_fn, LabelledTokensLoss):
+            return {}
+        return {"lm_head_positions": self.loss_fn.take_head_positions()}
 
     def forward_backward_step(self, **kwargs):
         if not self.config.record_plan or self.step != 1 or getattr(self, "_plan_recorded", False):

@@ -125,7 +125,27 @@ def build_config(spec: RunSpec):
         debug=DebugConfig(seed=s.seed, deterministic=spec.target == "cpu"),
         override=OverrideConfig(imports=list(spec.overrides)),
     )
-    return apply_titan_args(config, spec.titan_args)
+    return _with_labelled_head(apply_titan_args(config, spec.titan_args), spec)
+
+
+def _with_labelled_head(config, spec: RunSpec):
+    """The LM head and loss only on labelled positions (titan.labelled_loss), decided on the final config (after
+    TITAN_ARGS), where it can run and the loss is still the cross-entropy set above."""
+    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.tools.logging import logger
+
+    from pipeline.titan import labelled_loss
+
+    if type(config.loss) is not CrossEntropyLoss.Config:
+        return config
+    p = config.parallelism
+    why_not = labelled_loss.applies(target=spec.target, compile=config.compile.enable, tensor_parallel=p.tensor_parallel_degree,
+                                    other_parallel=max(p.context_parallel_degree, p.pipeline_parallel_degree),
+                                    dpo=spec.data_format == "preference")
+    logger.info(f"LM head and loss: {'on labelled positions only' if why_not is None else f'on every position ({why_not})'}")
+    if why_not is None:
+        config.loss = labelled_loss.LabelledTokensLoss.Config(loss_fn=config.loss)
+    return config
 
 
 def _dataloader(source: dataset.DataSource, name: str | None = None):

@@ -38,9 +38,15 @@ def test_make_sft_trains_exports_and_verifies_with_eval_loss_falling(checkpoints
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
     assert [r["step"] for r in records if "eval_loss" in r] == [1, 5, 10, 15, 20]
     assert evals[-1] < evals[0] - 0.1, evals  # the held-out conversations get likelier
-    assert json.loads((run / "verify.json").read_text())["passed"]
+    assert json.loads((run / "verify.json").read_text())["passed"]  # incl. the step-1 loss = transformers' full logits
     assert (run / "export" / "config.json").exists()
     assert "PASSED" in result.stdout
+    # the LM head ran on the first batch's labelled positions only (titan.labelled_loss), not on the prompts
+    from safetensors.torch import load_file
+
+    labels = load_file(str(run / "first_batch" / "rank0.safetensors"))["labels"]
+    labelled = int((labels != -100).sum())
+    assert records[0]["lm_head_positions"] == labelled < labels.numel(), (records[0], labels.shape)
 
 
 def test_wandb_offline_logs_the_run_under_its_name(checkpoints, tmp_path):

@@ -62,5 +62,7 @@ def test_chat_sft_masks_the_prompts_on_the_installed_api(root):
     assert [m["step"] for m in metrics if "eval_loss" in m] == [1], metrics
     masked = (batch["labels"] == chat.IGNORE_INDEX).float().mean().item()
     assert 0.2 < masked < 0.95, masked  # prompts and padding masked, assistant turns trained
+    # the LM head ran on those labelled positions only (titan.labelled_loss), and the loss is still transformers'
+    assert metrics[0]["lm_head_positions"] == int((batch["labels"] != chat.IGNORE_INDEX).sum()), metrics[0]
     starts = int((batch["positions"].flatten() == 0).sum())
     assert starts >= 2, starts  # packed conversations, each with its own positions from 0

@@ -96,6 +96,10 @@ def hf_config(config_json: dict):
 
 
 class HFQwen3(BaseModel):
+    # Set by torchtitan's trainer for a ChunkedLossWrapper loss (titan.labelled_loss): forward returns the
+    # final hidden states and the loss applies lm_head, as torchtitan's Decoder does.
+    _skip_lm_head: bool = False
+
     @dataclass(kw_only=True, slots=True)
     class Config(BaseModel.Config):
         config_json: dict = field(default_factory=dict)
@@ -189,4 +193,5 @@ class HFQwen3(BaseModel):
         # local sequence shard.
         mask = block_causal_mask(positions)
         hidden = self.model(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=False)
-        return api.drop_batch_dim(self.lm_head(hidden.last_hidden_state), added)
+        out = hidden.last_hidden_state
+        return api.drop_batch_dim(out if self._skip_lm_head else self.lm_head(out), added)
