@@ -258,8 +258,9 @@ def profile_step(run: dict, batch_file: str) -> dict:
     """Both sides' step-1 batches through the same transformers model, weights and threads, back to back in one
     process (so load from other users of the machine hits both alike): TRL's compute_loss on its own packed,
     padding-free batch (the LM head only where a label is), and the pipeline's batch ([B, seq_len] with its padding,
-    block-causal mask, logits and cross-entropy at every position), the computation the overhead section measures
-    as the pipeline's step within a few per cent (bench/bare_loop.py)."""
+    block-causal mask; the LM head and cross-entropy on the labelled positions only, as pipeline.titan.labelled_loss
+    computes them), the computation the overhead section measures as the pipeline's step within a few per cent
+    (bench/bare_loop.py)."""
     import torch.nn.functional as F
     from datasets import Dataset
     from transformers import AutoTokenizer
@@ -284,10 +285,14 @@ def profile_step(run: dict, batch_file: str) -> dict:
     mask = block_causal_mask(batch["positions"])
     pipeline_inputs = {"input_ids": batch["input"], "position_ids": batch["positions"], "attention_mask": mask}
 
+    labels = batch["labels"]
+    labelled_positions = labels != -100
+
     def pipeline_step():
-        logits = model(**pipeline_inputs).logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), reduction="sum")
-        backward(loss / (batch["labels"] != -100).sum())
+        hidden = model.model(**pipeline_inputs).last_hidden_state
+        logits = model.lm_head(hidden[labelled_positions])
+        loss = F.cross_entropy(logits.float(), labels[labelled_positions], reduction="sum")
+        backward(loss / labelled_positions.sum())
 
     trl_inputs = {k: v for k, v in trl_batch.items() if k in ("input_ids", "position_ids", "attention_mask")}
     sides = {"trl": (lambda: backward(trainer.compute_loss(model, trl_batch, num_items_in_batch=labelled)),
@@ -298,7 +303,7 @@ def profile_step(run: dict, batch_file: str) -> dict:
                                  lambda: backward(model.model(**trl_inputs).last_hidden_state.sum()),
                                  trl_batch["input_ids"].numel(), labelled),
              "pipeline": (pipeline_step, lambda: backward(model.model(**pipeline_inputs).last_hidden_state.sum()),
-                          batch["input"].numel(), int((batch["labels"] != -100).sum()))}
+                          batch["input"].numel(), int(labelled_positions.sum()))}
     return {**_split(sides),
             "threads": torch.get_num_threads(), "repeats": PROFILE_REPEATS}
 

@@ -21,7 +21,7 @@ import torch
 from torchtitan.components.loss import IGNORE_INDEX, ChunkedLossWrapper
 
 
-def applies(*, target: str, compile: bool, tensor_parallel: int, other_parallel: int, dpo: bool = False) -> str | None:
+def applies(*, target: str, compiled: bool, tensor_parallel: int, other_parallel: int, dpo: bool = False) -> str | None:
     """None where the labelled-only head can run, else why not (logged by the rank). other_parallel: the
     context- or pipeline-parallel degree (each splits what the gather would need whole)."""
     if dpo:
@@ -32,7 +32,7 @@ def applies(*, target: str, compile: bool, tensor_parallel: int, other_parallel:
         return "tensor parallelism shards the hidden states over the sequence (SP) and the head over the vocabulary"
     if other_parallel > 1:
         return "context or pipeline parallelism splits the sequence or the model"
-    if compile:
+    if compiled:
         return "torch.compile would see a new logits shape at every step"
     if target == "trn2":
         # No Neuron page says how its eager mode or compiler treats a data-dependent shape each step.

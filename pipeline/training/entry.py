@@ -139,7 +139,7 @@ def _with_labelled_head(config, spec: RunSpec):
     if type(config.loss) is not CrossEntropyLoss.Config:
         return config
     p = config.parallelism
-    why_not = labelled_loss.applies(target=spec.target, compile=config.compile.enable, tensor_parallel=p.tensor_parallel_degree,
+    why_not = labelled_loss.applies(target=spec.target, compiled=config.compile.enable, tensor_parallel=p.tensor_parallel_degree,
                                     other_parallel=max(p.context_parallel_degree, p.pipeline_parallel_degree),
                                     dpo=spec.data_format == "preference")
     logger.info(f"LM head and loss: {'on labelled positions only' if why_not is None else f'on every position ({why_not})'}")

@@ -62,11 +62,11 @@ def test_a_batch_with_no_label_gives_zero_loss():
 @pytest.mark.parametrize("kwargs,reason", [
     ({"tensor_parallel": 2}, "tensor parallelism"),
     ({"other_parallel": 2}, "context or pipeline"),
-    ({"compile": True}, "torch.compile"),
+    ({"compiled": True}, "torch.compile"),
     ({"target": "trn2"}, "Neuron"),
     ({"dpo": True}, "DPO"),
 ])
 def test_where_it_does_not_run_the_reason_is_given(kwargs, reason):
-    settings = {"target": "cpu", "compile": False, "tensor_parallel": 1, "other_parallel": 1}
+    settings = {"target": "cpu", "compiled": False, "tensor_parallel": 1, "other_parallel": 1}
     assert applies(**settings) is None
     assert reason in applies(**{**settings, **kwargs})
