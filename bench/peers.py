@@ -261,12 +261,12 @@ def profile_step(run: dict, batch_file: str) -> dict:
     block-causal mask; the LM head and cross-entropy on the labelled positions only, as pipeline.titan.labelled_loss
     computes them), the computation the overhead section measures as the pipeline's step within a few per cent
     (bench/bare_loop.py)."""
-    import torch.nn.functional as F
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl import SFTTrainer
 
     from bench.bare_loop import block_causal_mask
+    from pipeline.titan.labelled_loss import LabelledTokensLoss
 
     settings = run["settings"]
     records = _fitting(_records(run["data_file"]), AutoTokenizer.from_pretrained(run["source_dir"]), settings["seq_len"])
@@ -287,12 +287,13 @@ def profile_step(run: dict, batch_file: str) -> dict:
 
     labels = batch["labels"]
     labelled_positions = labels != -100
+    pipeline_loss = LabelledTokensLoss(LabelledTokensLoss.Config())  # the pipeline's own loss, as its trainer builds it
+    pipeline_loss.set_lm_head(model.lm_head)
 
     def pipeline_step():
         hidden = model.model(**pipeline_inputs).last_hidden_state
-        logits = model.lm_head(hidden[labelled_positions])
-        loss = F.cross_entropy(logits.float(), labels[labelled_positions], reduction="sum")
-        backward(loss / labelled_positions.sum())
+        loss, _ = pipeline_loss(hidden, labels, labelled_positions.sum())
+        backward(loss)
 
     trl_inputs = {k: v for k, v in trl_batch.items() if k in ("input_ids", "position_ids", "attention_mask")}
     sides = {"trl": (lambda: backward(trainer.compute_loss(model, trl_batch, num_items_in_batch=labelled)),
