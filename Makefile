@@ -65,6 +65,9 @@ export PIPELINE_VERBOSE := 1
 endif
 
 PY := $(call q,$(VENV)/bin/python)
+# Two pytest-xdist workers: much of the suite waits on subprocess start-up, imports and I/O, which a second
+# worker overlaps even on 2 cores (`make test`: 29 min in one process, measured in bench-free CI runs).
+TEST_WORKERS ?= 2
 TITAN_MAIN_WHEEL ?= ../shared/wheels/torchtitan-main-2026-08-21/torchtitan-0.2.2-py3-none-any.whl
 # The upstream-main tier's venv: the dev venv's packages beneath it (a .pth line), with torchtitan main
 # and Grain installed in it, which come first on sys.path: no second 6 GB venv.
@@ -239,8 +242,14 @@ pipeline: setup ## the whole pipeline: every path (PATHS, default the registry's
 lint: setup-test ## ruff over the repository (the rules: pyproject.toml)
 	$(call q,$(VENV)/bin/ruff) check .
 
+# TEST_WORKERS pytest-xdist workers; a module's tests share one (tests/conftest.py groups them), so its fixtures are made once.
+define XDIST
+@[[ $(call q,$(TEST_WORKERS)) =~ ^[1-9][0-9]*$$ ]] || { echo "error: TEST_WORKERS="$(call q,$(TEST_WORKERS))" is not a number of workers. Fix: give 1 or more (1: one worker)."; exit 2; }
+endef
+XDIST_FLAGS = -n $(call q,$(TEST_WORKERS)) --dist loadgroup
 test: setup-test lint setup-transformers4 setup-lm-eval setup-vllm ## lint, then the whole test suite, as CI runs it (CPU only; trains tiny models, rehearses the trn2 plan)
-	$(PY) -m pytest -q --durations=15 $(PYTEST_TMP) -m "not titan_e2e" tests
+	$(XDIST)
+	$(PY) -m pytest -q --durations=15 $(PYTEST_TMP) $(XDIST_FLAGS) -m "not titan_e2e" tests
 
 test-fast: setup-test lint ## lint, then the fast tier: everything that does not train or build images (about 3 min on 2 cores)
 	$(PY) -m pytest -q $(PYTEST_TMP) -m "not slow" tests
@@ -297,11 +306,13 @@ $(TITAN_SIM_VENV)/.installed: tests/titan_sim.py requirements-titan-main.lock $(
 # marker: tests/conftest.py) and every path's train → export → verify; the other fast tests would repeat
 # `make test`'s (~6 min of CI). The container tests stay out (PIPELINE_CONTAINER_TESTS=0): the test image
 # holds the dev lock's torchtitan 0.3.0, so comparing it with a host on main compares two APIs.
-TITAN_TIER_TESTS := -q --durations=5 $(PYTEST_TMP) -m "(titan and not slow) or titan_e2e" tests
+TITAN_TIER_TESTS = -q --durations=5 $(PYTEST_TMP) $(XDIST_FLAGS) -m "(titan and not slow) or titan_e2e" tests
 test-titan-main: setup-titan-main ## torchtitan-facing fast tests plus every path's 2-step train → export → verify, on upstream torchtitan main
+	$(XDIST)
 	PIPELINE_CONTAINER_TESTS=0 $(TITAN_MAIN_VENV)/bin/python -m pytest $(TITAN_TIER_TESTS)
 
 test-titan-sim: setup-titan-sim ## SIMULATED "main after #4328" (#4328's documented change applied to TITAN_MAIN_WHEEL): torchtitan-facing fast tests plus every path's train → export → verify
+	$(XDIST)
 	PIPELINE_CONTAINER_TESTS=0 $(TITAN_SIM_VENV)/bin/python -m pytest $(TITAN_TIER_TESTS)
 
 bench: setup ## measure overhead, time to first step, scaling, export/verify, memory, TRL peers (BENCH_ONLY=overhead,ttfs,scaling,export,size,pipeline,peers) → bench/results.json, and README's table from it

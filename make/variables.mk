@@ -64,9 +64,10 @@ PYTHON|$(PYTHON)|the Python that builds .venv (3.11 or newer)
 VENV|$(VENV)|the virtual environment
 VLLM_VENV|$(VLLM_VENV)|where `make setup-vllm` builds vLLM's venv (serve and generate use it unless VLLM is given)
 TITAN_MAIN_WHEEL|$(TITAN_MAIN_WHEEL)|test-titan-main, test-titan-sim: a wheel of upstream torchtitan main (docs/sources.md)
+TEST_WORKERS|$(TEST_WORKERS)|test, test-titan-main, test-titan-sim: pytest-xdist worker processes (1: one)
 endef
 # Variables whose default is a value: the user may not give them empty.
-DEFAULTED_VARS := MODEL TRAIN_PATH DTYPE IN_CONTAINER PYTHON VENV VLLM_VENV TITAN_MAIN_WHEEL
+DEFAULTED_VARS := MODEL TRAIN_PATH DTYPE IN_CONTAINER PYTHON VENV VLLM_VENV TITAN_MAIN_WHEEL TEST_WORKERS
 BOOL_VARS := DRY_RUN FRESH FORCE ADAPTER PUBLIC SERVE_COMPILE IN_CONTAINER VERBOSE
 RUN_FLAGS = --model $(call q,$(MODEL)) \
   --path $(call q,$(TRAIN_PATH)) \

@@ -32,13 +32,23 @@ def digest_key():
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> Path:
     """A checkpoints root holding tiny and tiny-moe (downloaded = made) with their data.
-    PIPELINE_TEST_CHECKPOINTS names one made before (a session of its own: tests only read it)."""
+    PIPELINE_TEST_CHECKPOINTS names one made before (a session of its own: tests only read it). Otherwise the
+    first pytest-xdist worker to ask makes it, under a lock, where every worker of the session finds it."""
     if os.environ.get(envvars.TEST_CHECKPOINTS):
         return Path(os.environ[envvars.TEST_CHECKPOINTS])
-    root = tmp_path_factory.mktemp("checkpoints")
-    for model in ("tiny", "tiny-moe"):
-        run_pipeline("download", "--model", model, root=root)
-        run_pipeline("data", "--model", model, root=root)
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    root, made = shared / "checkpoints", shared / "checkpoints.made"
+    with FileLock(shared / "checkpoints.lock"):
+        if not made.exists():
+            shutil.rmtree(root, ignore_errors=True)
+            root.mkdir()
+            for model in ("tiny", "tiny-moe"):
+                run_pipeline("download", "--model", model, root=root)
+                run_pipeline("data", "--model", model, root=root)
+            made.touch()
     return root
 
 
@@ -93,6 +103,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         if item.path.relative_to(tests).as_posix().startswith(TITAN_TESTS):
             item.add_marker(pytest.mark.titan)
+    # Under pytest-xdist (`make test`: --dist loadgroup) a module's tests share a worker, so its module fixtures
+    # are made once; the modules that read export_runs share one, so its four training runs are made once too.
+    for item in items:
+        shares_runs = "export_runs" in getattr(item, "fixturenames", ())
+        item.add_marker(pytest.mark.xdist_group("export_runs" if shares_runs else item.path.relative_to(tests).as_posix()))
     # The container tests run last: .ci/run builds their image in the background meanwhile, and in
     # alphabetical order the suite reached them first and waited for it (119 s of a cold-engine run, 2026-12-02).
     items.sort(key=lambda item: item.path.as_posix().endswith(CONTAINER_TEST_FILE))

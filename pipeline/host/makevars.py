@@ -70,6 +70,8 @@ MAKE_ONLY = (
      "given)"),
     ("TITAN_MAIN_WHEEL", "$(TITAN_MAIN_WHEEL)", "test-titan-main, test-titan-sim: a wheel of upstream torchtitan "
      "main (docs/sources.md)"),
+    ("TEST_WORKERS", "$(TEST_WORKERS)", "test, test-titan-main, test-titan-sim: pytest-xdist worker processes "
+     "(1: one)"),
 )
 # Those of them that are on/off (1/0, true/false, yes/no); a bool field's variable is on/off by its type.
 MAKE_ONLY_ON_OFF = ("IN_CONTAINER", "VERBOSE")

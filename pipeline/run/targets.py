@@ -8,6 +8,7 @@ import shutil
 from dataclasses import dataclass, field
 
 from pipeline.errors import PipelineError
+from pipeline.malloc import RETAIN_FREED_MEMORY
 
 
 @dataclass(frozen=True)
@@ -56,20 +57,9 @@ NEFF_CACHE_ENV = "TORCH_NEURONX_NEFF_CACHE_DIR"
 DEFAULT_NEFF_CACHE = "/var/tmp/neuron-compile-cache"
 
 
-# glibc returns a freed block of more than 32 MiB (its largest dynamic mmap threshold) to the
-# kernel at once, so the tensors of every step over the 151936-word vocabulary (logits, their
-# log-softmax and gradients: 150 MB each at batch 2 × 128) are faulted in afresh, zeroed by the
-# kernel, every step. Raising the thresholds keeps freed memory for reuse: measured on the tiny
-# model, one process, 2 threads, the settings alternating, 4 rounds on a busy 2-core machine:
-# 0.7–1.3 s CPU per step with them, 1.4–2.7 s without (1.4–3.2× within each round); at 512 MiB
-# they lose the gain, and glibc's transparent-huge-page tunable (glibc.malloc.hugetlb=1) does not
-# help. What they keep is also never given back: a Qwen3-0.6B-shaped model at the CPU defaults
-# peaked about 1 GiB higher per rank with them and was killed on a 24 GiB machine; without them
-# it trains (10.7 GiB per rank).
-RETAIN_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "4294967296"}
-# ... so they are set only for runs whose estimated need (pipeline.training.memory plus the
-# processes, all ranks) is at most this fraction of the machine's memory: the embedded models,
-# not real ones.
+# What pipeline.malloc.RETAIN_FREED_MEMORY keeps is never given back, so it is set only for runs whose
+# estimated need (pipeline.training.memory plus the processes, all ranks) is at most this fraction of
+# the machine's memory: the embedded models, not real ones.
 RETAIN_FREED_UP_TO = 0.25
 
 

@@ -16,7 +16,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "pipeline"
-CORE = ("errors", "fsutil", "dtypes", "envvars", "flags", "console")  # pipeline/*.py: the "core" package
+CORE = ("errors", "fsutil", "dtypes", "envvars", "flags", "console", "malloc")  # pipeline/*.py: the "core" package
 # Each package → the packages it builds on directly; it may import those and, through them, what they build
 # on. A graph, not a line: data and models both build on titan and know nothing of each other, and outputs
 # reads runs back without the data, training or launch code that made them.
