@@ -70,10 +70,13 @@ def segments(argv: list[str]) -> list[list[str]]:
     run back to back (`make export-verify`, the fine-tuning targets)."""
     out = [[]]
     for i, word in enumerate(argv):
-        if word == THEN and i + 1 < len(argv) and argv[i + 1] in STAGES:
+        if word != THEN:
+            out[-1].append(word)
+        elif i + 1 < len(argv) and argv[i + 1] in STAGES:
             out.append([])
         else:
-            out[-1].append(word)
+            given = repr(argv[i + 1]) if i + 1 < len(argv) else "nothing"
+            raise ValueError(f"{THEN} is followed by {given}, not a stage; the stages: {', '.join(STAGES)}")
     return out
 
 
@@ -87,8 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("stage", choices=STAGES)
     if not argv or argv[0] not in STAGES:
         parser.parse_args(argv[:1] or ["--help"])
+    try:
+        chain = segments(argv)
+    except ValueError as err:
+        parser.error(str(err))
     planned = []
-    for segment in segments(argv):  # every command line is parsed before the first stage runs
+    for segment in chain:  # every command line is parsed before the first stage runs
         module, stage_args = stage_parser(segment[0])
         planned.append((module, stage_args.parse_args(segment[1:])))
     for module, args in planned:

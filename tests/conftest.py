@@ -30,10 +30,10 @@ def digest_key():
 
 
 @pytest.fixture(scope="session")
-def checkpoints(tmp_path_factory) -> Path:
-    """A checkpoints root holding tiny and tiny-moe (downloaded = made) with their data.
-    PIPELINE_TEST_CHECKPOINTS names one made before (a session of its own: tests only read it). Otherwise the
-    first pytest-xdist worker to ask makes it, under a lock, where every worker of the session finds it."""
+def embedded_checkpoints(tmp_path_factory) -> Path:
+    """A checkpoints root holding tiny and tiny-moe (downloaded = made) with their data, never written by a test
+    (`checkpoints` links it into a root per module). PIPELINE_TEST_CHECKPOINTS names one made before (a session of
+    its own). Otherwise the first pytest-xdist worker to ask makes it, under a lock, where every worker finds it."""
     if os.environ.get(envvars.TEST_CHECKPOINTS):
         return Path(os.environ[envvars.TEST_CHECKPOINTS])
     from filelock import FileLock
@@ -53,6 +53,16 @@ def checkpoints(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def checkpoints(embedded_checkpoints, tmp_path_factory) -> Path:
+    """A checkpoints root per test module with both embedded models and their data linked in: the runs a module
+    trains there are its own, so modules on different pytest-xdist workers never share a run directory."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    for model in ("tiny", "tiny-moe"):
+        copy_model(embedded_checkpoints, root, model, link=True)
+    return root
+
+
+@pytest.fixture(scope="module")
 def tiny_root(checkpoints, tmp_path_factory) -> Path:
     """A checkpoints root per test module holding the session's embedded tiny and its data (linked: the
     model is made once per session; each module's runs stay its own)."""
@@ -60,14 +70,14 @@ def tiny_root(checkpoints, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def export_runs(checkpoints, tmp_path_factory) -> Path:
+def export_runs(embedded_checkpoints, tmp_path_factory) -> Path:
     """A checkpoints root of its own (the shared one's source/ and data/ linked in) with, per model,
     a native run that ran STEPS=0 and then resumed to STEPS=2: its checkpoint/ keeps step-0 and step-2, each
     with its model saved in float32 (step-N/hf), so that exports compare exactly and bfloat16 ones are casts."""
     root = tmp_path_factory.getbasetemp() / "export-runs"
     shutil.rmtree(root, ignore_errors=True)
     for model in EXPORT_MODELS:
-        copy_model(checkpoints, root, model, link=True)
+        copy_model(embedded_checkpoints, root, model, link=True)
         for steps in ("0", str(TRAINED_STEPS)):
             run_pipeline("train", "--model", model, "--path", "native", "--steps", steps,
                          "--nproc-per-node", EXPORT_NPROC[model], "--export-dtype", "float32", root=root)
@@ -87,7 +97,7 @@ def pytest_report_header(config):
 # ---- tiers: `make test-fast` runs what is not `slow` (≤ 90 s on 2 cores); `make test` runs everything ----
 # A test is slow when it trains, makes the embedded models or builds images: it asks for one of these
 # fixtures, or its module or function is marked `slow` itself.
-SLOW_FIXTURES = {"checkpoints", "tiny_root", "export_runs"}
+SLOW_FIXTURES = {"embedded_checkpoints", "checkpoints", "tiny_root", "export_runs"}
 # The tests of the modules that talk to torchtitan (its configs, model, loaders, trainer, names): what the
 # simulated "main after #4328" tier (`make test-titan-sim`) runs of the fast tier, marked `titan`.
 TITAN_TESTS = ("titan/", "models/", "checkpoint/test_checkpoint_arch_flops.py", "data/test_data_chat.py",

@@ -17,7 +17,8 @@ rejected are equal teaches nothing (its loss is ln 2 whatever the model) and is 
 
 Each pair is one row for `chosen` and one for `rejected`, padded to seq_len (labels IGNORE_INDEX on
 the prompt and the padding, positions 0… per row): a local batch of B pairs is 2B rows, the B chosen
-rows first (TRL's [chosen, rejected] concatenation). A pair longer than seq_len is dropped, never cut.
+rows first (TRL's [chosen, rejected] concatenation). A pair longer than seq_len is dropped, never cut. On
+torchtitan main, whose batch is one row of tokens (#4121), the same rows are laid end to end (`fold`).
 """
 
 from __future__ import annotations
@@ -109,25 +110,14 @@ def tokenize_pair(tokenizer, record: dict, max_len: int):
     return None if None in sides else sides
 
 
-# ---- rank side: torchtitan 0.3.0's dataloader over preference pairs ----------------------------------
-
-def check_api() -> None:
-    """DPO's loader and step are written for torchtitan 0.3.0's batch of [rows, seq_len]; main folds a batch into one
-    packed row (#4121): no chosen and rejected rows to pair. Checked before launch and again in each rank."""
-    from pipeline.errors import PipelineError
-    from pipeline.titan import api
-
-    variant = api.variant()
-    if variant != api.V030:
-        raise PipelineError(f"DPO runs on torchtitan's {api.V030} API; the installed torchtitan has the "
-                            f"{variant} one (its folded batch has no rows to pair).",
-                            f"train DPO with the dev lock's torchtitan ({api.V030}).")
-
+# ---- rank side: torchtitan's dataloader over preference pairs (either API) -------------------------
 
 def dataloader_config(data_file: str, infinite: bool = True):
-    check_api()  # in the rank too: a launcher without torchtitan could not check it
-    return _classes()[1].Config(dataset_path="json", load_dataset_kwargs={"data_files": data_file, "split": "train"},
-                                infinite=infinite)
+    from pipeline.titan import api
+
+    load = {"dataset_path": "json", "load_dataset_kwargs": {"data_files": data_file, "split": "train"}}
+    # torchtitan's Validator switches the loader to one pass with dataclasses.replace: 0.3.0 by `infinite`, main by `repeat`
+    return _classes()[1].Config(**load, **({"repeat": infinite} if api.folded_batch() else {"infinite": infinite}))
 
 
 def collate(samples):
@@ -140,6 +130,13 @@ def collate(samples):
 
     inputs = {key: rows([s[0][key] for s in samples]) for key in samples[0][0]}
     return inputs, rows([s[1] for s in samples])
+
+
+def fold(batch):
+    """collate()'s rows laid end to end, as main's folded batch ([T] tokens, #4121): each row keeps its positions
+    0…L−1, so attention stays within it (as for packed documents) and DPO reads row r at tokens [r·L, (r+1)·L)."""
+    inputs, labels = batch
+    return {key: value.flatten() for key, value in inputs.items()}, labels.flatten()
 
 
 _CLASSES: tuple | None = None
@@ -157,9 +154,9 @@ def _classes():
     from datasets.distributed import split_dataset_by_node
     from torch.distributed.checkpoint.stateful import Stateful
     from torch.utils.data import IterableDataset
-    from torchtitan.components.dataloader import ParallelAwareDataloader
 
     from pipeline.errors import PipelineError
+    from pipeline.titan import api
 
     class PreferenceDataset(IterableDataset, Stateful):
         """One pair per sample, in the order torchtitan's ChatDataset reads conversations (shuffled with
@@ -211,30 +208,74 @@ def _classes():
             self._sample_idx, self._epoch = state_dict["sample_idx"], state_dict["epoch"]
             self._data = self._original.shuffle(seed=42 + self._epoch) if self._epoch else self._original
 
-    class PreferenceDataLoader(ParallelAwareDataloader):
-        @dataclass(kw_only=True, slots=True)
-        class Config(ParallelAwareDataloader.Config):
-            dataset_path: str = "json"
-            load_dataset_kwargs: dict = field(default_factory=dict)
-            infinite: bool = True
+    def open_pairs(config, tokenizer, seq_len: int, dp_rank: int, dp_world_size: int, infinite: bool):
+        if getattr(tokenizer, "_chat_template", None) is None:
+            raise PipelineError("the checkpoint's tokenizer has no chat template, so preference pairs cannot be "
+                                "rendered.", "train from an instruct checkpoint, or add the model family's chat template.")
+        origin = config.load_dataset_kwargs.get("data_files")
+        try:
+            records = load_dataset(config.dataset_path, **config.load_dataset_kwargs)
+        except Exception as err:  # datasets raises many kinds
+            raise PipelineError(f"the ranks cannot open the preference data {origin}: {type(err).__name__}: "
+                                f"{str(err).splitlines()[0] if str(err) else ''}",
+                                "check the data (FRESH=1 reads all of it before it starts a run).") from err
+        return PreferenceDataset(records, tokenizer, seq_len, dp_rank, dp_world_size, infinite, origin)
 
-        def __init__(self, config, *, dp_world_size: int, dp_rank: int, tokenizer, seq_len: int,
-                     local_batch_size: int, snapshot_every_n_steps: int | None = 1, **kwargs):
-            if getattr(tokenizer, "_chat_template", None) is None:
-                raise PipelineError("the checkpoint's tokenizer has no chat template, so preference pairs cannot be "
-                                    "rendered.", "train from an instruct checkpoint, or add the model family's chat template.")
-            origin = config.load_dataset_kwargs.get("data_files")
-            try:
-                records = load_dataset(config.dataset_path, **config.load_dataset_kwargs)
-            except Exception as err:  # datasets raises many kinds
-                raise PipelineError(f"the ranks cannot open the preference data {origin}: {type(err).__name__}: "
-                                    f"{str(err).splitlines()[0] if str(err) else ''}",
-                                    "check the data (FRESH=1 reads all of it before it starts a run).") from err
-            dataset = PreferenceDataset(records, tokenizer, seq_len, dp_rank, dp_world_size, config.infinite, origin)
-            super().__init__(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size, num_workers=config.num_workers,
-                             persistent_workers=config.persistent_workers, pin_memory=config.pin_memory,
-                             prefetch_factor=config.prefetch_factor, snapshot_every_n_steps=snapshot_every_n_steps,
-                             batch_size=local_batch_size, collate_fn=collate)
+    if not api.folded_batch():
+        from torchtitan.components.dataloader import ParallelAwareDataloader
+
+        class PreferenceDataLoader(ParallelAwareDataloader):
+            """0.3.0: batches of local_batch_size pairs, rows [2B, seq_len]."""
+
+            @dataclass(kw_only=True, slots=True)
+            class Config(ParallelAwareDataloader.Config):
+                dataset_path: str = "json"
+                load_dataset_kwargs: dict = field(default_factory=dict)
+                infinite: bool = True
+
+            def __init__(self, config, *, dp_world_size: int, dp_rank: int, tokenizer, seq_len: int,
+                         local_batch_size: int, snapshot_every_n_steps: int | None = 1, **kwargs):
+                dataset = open_pairs(config, tokenizer, seq_len, dp_rank, dp_world_size, config.infinite)
+                super().__init__(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size, num_workers=config.num_workers,
+                                 persistent_workers=config.persistent_workers, pin_memory=config.pin_memory,
+                                 prefetch_factor=config.prefetch_factor, snapshot_every_n_steps=snapshot_every_n_steps,
+                                 batch_size=local_batch_size, collate_fn=collate)
+    else:
+        from torchtitan.components.data.loader import BaseDataLoader
+
+        class PreferenceDataLoader(BaseDataLoader):
+            """main: the same batches of pairs folded (fold()), num_tokens_per_batch / max_context_length pairs each
+            (what api.training_config makes of local_batch_size); its state is the dataset's position, per
+            data-parallel rank as 0.3.0's loader keeps it."""
+
+            @dataclass(kw_only=True, slots=True)
+            class Config(BaseDataLoader.Config):
+                dataset_path: str = "json"
+                load_dataset_kwargs: dict = field(default_factory=dict)
+                repeat: bool = True
+
+            def __init__(self, config, *, dp_world_size: int, dp_rank: int, tokenizer, max_context_length: int,
+                         num_tokens_per_batch: int, **kwargs):
+                self.dataset = open_pairs(config, tokenizer, max_context_length, dp_rank, dp_world_size, config.repeat)
+                self.pairs_per_batch = max(num_tokens_per_batch // max_context_length, 1)
+                self._rank_id = f"dp_rank_{dp_rank}"
+
+            def __iter__(self):
+                samples = []
+                for sample in self.dataset:
+                    samples.append(sample)
+                    if len(samples) == self.pairs_per_batch:
+                        yield fold(collate(samples))
+                        samples = []
+                if samples:  # one pass (validation): the last pairs too, as 0.3.0's loader yields them
+                    yield fold(collate(samples))
+
+            def state_dict(self):
+                return {self._rank_id: self.dataset.state_dict()}
+
+            def load_state_dict(self, state_dict):
+                if state_dict and self._rank_id in state_dict:
+                    self.dataset.load_state_dict(state_dict[self._rank_id])
 
     _CLASSES = (PreferenceDataset, PreferenceDataLoader)
     return _CLASSES

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torchtitan.components.validate import Validator
 from torchtitan.tools.logging import logger
 
+from pipeline.titan import api
 from pipeline.titan.trainer import PipelineTrainer
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
@@ -36,13 +37,13 @@ SUMS = ("pairs", "loss", "rewards/chosen", "rewards/rejected", "rewards/accuraci
         "logps/chosen", "logps/rejected", "completion_logp", "completion_tokens")
 
 
-def sequence_logps(pred: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed log-probability of the label tokens per row, label tokens per row). Cross-entropy per token,
-    as torchtitan's loss computes it (TP's loss_parallel shards it over the vocabulary the same way)."""
-    per_token = F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1), reduction="none",
+def sequence_logps(pred: torch.Tensor, labels: torch.Tensor, row_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed log-probability of the label tokens per row, label tokens per row) of rows of `row_len` tokens:
+    [rows, row_len] batches (torchtitan 0.3.0) or the same rows folded end to end into [T] (main). Cross-entropy
+    per token, as torchtitan's loss computes it."""
+    per_token = F.cross_entropy(pred.reshape(-1, pred.shape[-1]).float(), labels.reshape(-1), reduction="none",
                                 ignore_index=IGNORE_INDEX)
-    rows = labels.shape[0]
-    return -per_token.view(rows, -1).sum(dim=1), (labels != IGNORE_INDEX).sum(dim=1)
+    return -per_token.view(-1, row_len).sum(dim=1), (labels.reshape(-1, row_len) != IGNORE_INDEX).sum(dim=1)
 
 
 def dpo_losses(logps: torch.Tensor, ref_logps: torch.Tensor, tokens: torch.Tensor, beta: float,
@@ -162,8 +163,10 @@ class PreferenceValidator(Validator):
     def validate(self, model_parts, step: int) -> None:
         for model in model_parts:
             model.eval()
+        sizes = ({"max_context_length": self.seq_len, "num_tokens_per_batch": self.num_tokens_per_batch}
+                 if api.folded_batch() else {"seq_len": self.seq_len, "local_batch_size": self.local_batch_size})
         loader = self.dl_config.build(dp_world_size=self.dp_world_size, dp_rank=self.dp_rank, tokenizer=self.tokenizer,
-                                      seq_len=self.seq_len, local_batch_size=self.local_batch_size)
+                                      **sizes)
         total = None
         for number, (input_dict, labels) in enumerate(loader):
             if number >= self.config.steps:
@@ -211,11 +214,11 @@ class PreferenceTrainer(PipelineTrainer):
         Returns (this rank's summed pair loss, detached; the SUMS of the pairs of every data-parallel rank)."""
         input_dict = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in input_dict.items()}
         inputs, labels, extra = self.post_dataloading_process(input_dict, labels.to(self.device))
-        model = self.model_parts[0]
+        model, row_len = self.model_parts[0], api.seq_len_of(self.config.training)
         with torch.no_grad(), self.reference.active(), self.train_context():
-            ref_logps, _ = sequence_logps(model(inputs, **extra), labels)
+            ref_logps, _ = sequence_logps(model(inputs, **extra), labels, row_len)
         with self.train_context():
-            logps, tokens = sequence_logps(model(inputs, **extra), labels)
+            logps, tokens = sequence_logps(model(inputs, **extra), labels, row_len)
             loss_sum, sums = pair_sums(logps, ref_logps, tokens, self.config.dpo_beta, self.config.dpo_loss)
             if train:
                 (loss_sum / self._global_pairs(labels)).backward()
@@ -229,7 +232,8 @@ class PreferenceTrainer(PipelineTrainer):
         return loss_sum / self._global_pairs(labels)
 
     def _global_pairs(self, labels) -> int:
-        return labels.shape[0] // 2 * self.gradient_accumulation_steps * self._data_parallel()
+        rows = labels.numel() // api.seq_len_of(self.config.training)
+        return rows // 2 * self.gradient_accumulation_steps * self._data_parallel()
 
     def _step_metrics(self) -> dict[str, float]:
         sums, self._sums = self._sums, None

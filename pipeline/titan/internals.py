@@ -226,7 +226,8 @@ PUBLIC_NAMES = (
     _n(HFD, "DatasetConfig", "a file or Hub dataset", apis=V030),
     _n(f"{HFD}.text_datasets", "HuggingFaceTextDataLoader", "the text loader", apis=V030),
     _n(f"{HFD}.text_datasets", "ChatDataset", "multi-turn chat SFT", apis=V030),
-    _n(f"{COMP}.dataloader", "ParallelAwareDataloader", "the chat loader", apis=V030),
+    _n(f"{COMP}.dataloader", "ParallelAwareDataloader", "the chat and preference-pair loaders", apis=V030),
+    _n(f"{COMP}.data.loader", "BaseDataLoader", "the preference-pair loader", apis=MAIN),
     *(_n(f"{COMP}.data", n, "the Grain loader (#4121)", apis=MAIN) for n in (
         "GrainDataLoader", "ConcatThenSplitPackingConfig", "FirstFitPackingConfig", "HuggingFaceRandomAccessSource",
         "HuggingFaceStreamingSource", "SingleDatasetConfig")),

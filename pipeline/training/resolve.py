@@ -188,12 +188,6 @@ def check_preference(spec: RunSpec) -> None:
     if s.tensor_parallel > 1:  # its sequence log-probabilities read whole-vocabulary logits on each rank
         raise PipelineError(f"DPO runs with tensor_parallel = 1 only (this run: {s.tensor_parallel}).",
                             "set tensor_parallel = 1 (FSDP shards the model across the ranks instead).")
-    try:
-        from pipeline.data.preference import check_api
-
-        check_api()
-    except ModuleNotFoundError:  # a launcher without torchtitan (the ranks run in the image): each rank checks it
-        return
 
 
 def check_wandb(spec: RunSpec) -> None:

@@ -97,6 +97,29 @@ def test_collate_puts_the_chosen_rows_first_then_the_rejected():
     assert inputs["input"][:, 0].tolist() == [0, 1, 2, 10, 11, 12] == labels[:, 0].tolist()
 
 
+def test_folded_rows_give_each_row_s_log_probability_as_unfolded_ones():
+    """main's batch (fold: the rows end to end, positions restarting) scores each row as 0.3.0's [rows, L] does."""
+    import torch
+
+    from pipeline.titan import dpo
+
+    row_len, rows, vocab = 5, 4, 11
+    samples = [({"input": torch.arange(2 * row_len).view(2, row_len) + 20 * i,
+                 "positions": torch.arange(row_len).expand(2, -1)},
+                torch.tensor([[-100, -100, 3, 4, 5], [-100, 6, 7, -100, -100]])) for i in range(rows // 2)]
+    inputs, labels = preference.collate(samples)
+    folded_inputs, folded_labels = preference.fold((inputs, labels))
+    assert folded_inputs["input"].shape == (rows * row_len,) and folded_labels.shape == (rows * row_len,)
+    assert folded_inputs["positions"].tolist() == list(range(row_len)) * rows  # each row's own positions from 0
+    logits = torch.randn(rows, row_len, vocab)
+    unfolded = dpo.sequence_logps(logits, labels, row_len)
+    folded = dpo.sequence_logps(logits.view(rows * row_len, vocab), folded_labels, row_len)
+    expected = torch.stack([torch.log_softmax(logits[r], -1)[labels[r] != -100].gather(
+        -1, labels[r][labels[r] != -100].unsqueeze(-1)).sum() for r in range(rows)])
+    assert torch.allclose(unfolded[0], expected) and torch.allclose(folded[0], expected)
+    assert unfolded[1].tolist() == folded[1].tolist() == [3] * (rows // 2) + [2] * (rows // 2)  # chosen rows first
+
+
 def test_dpo_losses_are_trls():
     import torch
     import torch.nn.functional as F

@@ -66,3 +66,43 @@ def test_chat_sft_masks_the_prompts_on_the_installed_api(root):
     assert metrics[0]["lm_head_positions"] == int((batch["labels"] != chat.IGNORE_INDEX).sum()), metrics[0]
     starts = int((batch["positions"].flatten() == 0).sum())
     assert starts >= 2, starts  # packed conversations, each with its own positions from 0
+
+
+def test_dpo_on_the_installed_api(root):
+    """DPO (make dpo's config, 2 steps) on the installed API: at step 1 the policy is the reference, so the loss is
+    ln 2, and its completion log-probabilities are plain transformers' on the recorded batch, read row by row from
+    the positions (main lays a batch's rows end to end, #4121); the policy moves by step 2; export and verify
+    pass."""
+    import math
+
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    run_pipeline("train", "--model", "tiny", "--path", "native", "--steps", "2", "--dataset", "preference",
+                 "--config", "configs/finetune/dpo.toml", "--name", "dpo-e2e", "--export-dtype", "float32", root=root)
+    run_pipeline("export", "--model", "tiny", "--path", "native", "--name", "dpo-e2e", "--dtype", "float32", root=root)
+    assert "PASSED" in run_pipeline("verify", "--model", "tiny", "--path", "native", "--name", "dpo-e2e", root=root).stdout
+    run = run_dir(root, "tiny", "dpo-e2e")
+    first, second = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][:2]
+    assert first["step"] == 1 and abs(first["loss"] - math.log(2)) < 1e-6, first
+    assert abs(first["rewards/margins"]) < 1e-6 and abs(second["rewards/margins"]) > 1e-5, (first, second)
+
+    batch = load_file(str(run / "first_batch" / "rank0.safetensors"))
+    ids, labels, positions = (batch[key].flatten() for key in ("input", "labels", "positions"))
+    starts = (positions == 0).nonzero().flatten().tolist() + [len(positions)]
+    pairs = json.loads((run / "run.json").read_text())["settings"]["local_batch_size"]
+    assert len(starts) - 1 == 2 * pairs  # a chosen and a rejected row per pair
+    model = AutoModelForCausalLM.from_pretrained(str(root / "tiny" / "source"), dtype=torch.float32).eval()
+    logps = []
+    for begin, end in zip(starts, starts[1:]):
+        row, row_labels = ids[begin:end], labels[begin:end]
+        with torch.no_grad():
+            logits = model(input_ids=row.unsqueeze(0)).logits[0].float()
+        mask = row_labels != -100
+        assert mask.any() and not mask[0]  # a completion is labelled, the prompt's start never
+        token = torch.log_softmax(logits, -1).gather(-1, row_labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        logps.append(float((token * mask).sum()))
+    for side, values in (("chosen", logps[:pairs]), ("rejected", logps[pairs:])):  # the chosen rows come first
+        expected = sum(values) / pairs
+        assert abs(first[f"logps/{side}"] - expected) < 1e-5 * abs(expected), (side, first[f"logps/{side}"], expected)

@@ -162,5 +162,9 @@ def test_then_runs_stages_in_order_in_one_process_after_parsing_them_all(tmp_pat
     failing_first = cli("verify", "--then", "paths", root=tmp_path)
     assert failing_first.returncode == 2 and failing_first.stdout == ""
     assert failing_first.stderr.startswith("error: verify needs --model")
-    # `--then` followed by no stage is a value, not a separator
-    assert cli("paths", "--then", root=tmp_path).returncode == 2
+    # `--then` followed by no stage, or by a word that is none, is refused naming the stages, before anything runs
+    for tail in ([], ["bogus"], ["--model", "tiny"]):
+        refused = cli("paths", "--then", *tail, root=tmp_path)
+        assert refused.returncode == 2 and refused.stdout == "", tail
+        assert f"--then is followed by {repr(tail[0]) if tail else 'nothing'}, not a stage" in refused.stderr
+        assert "the stages: " in refused.stderr and "export, " in refused.stderr
