@@ -227,15 +227,32 @@ PIPELINE_MODELS = $(foreach m,$(or $(MODELS),$(EMBEDDED_MODELS)),$(call q,$(m)))
 PIPELINE_PATHS = $(if $(PATHS),$(foreach p,$(PATHS),$(call q,$(p))),$$($(PY) -m pipeline paths))
 SUB_MAKE = $(MAKE) --no-print-directory $(if $(call on,VERBOSE),,-s)
 pipeline: export PIPELINE_BRIEF = $(if $(call on,VERBOSE),0,1)
-pipeline: setup ## the whole pipeline: every path (PATHS, default the registry's) of every model (MODELS, default the embedded tiny and tiny-moe): train, export, verify, report, then one table of every run
-	@set -e; for m in $(PIPELINE_MODELS); do \
-	  for p in $(PIPELINE_PATHS); do \
-	    echo "== $$m $$p: train → export → verify"; \
-	    $(SUB_MAKE) "train-$$p" MODEL="$$m" FRESH=1 $(if $(MODELS),,DTYPE=float32); \
-	    $(SUB_MAKE) export-verify MODEL="$$m" TRAIN_PATH="$$p" FORCE=1 $(if $(MODELS),,DTYPE=float32); \
-	  done; \
-	  $(SUB_MAKE) report MODEL="$$m"; \
-	done; \
+# One model $$m: every path's train → export → verify, then its report.
+define PIPELINE_MODEL
+for p in $(PIPELINE_PATHS); do \
+  echo "== $$m $$p: train → export → verify"; \
+  $(SUB_MAKE) "train-$$p" MODEL="$$m" FRESH=1 $(if $(MODELS),,DTYPE=float32) || exit; \
+  $(SUB_MAKE) export-verify MODEL="$$m" TRAIN_PATH="$$p" FORCE=1 $(if $(MODELS),,DTYPE=float32) || exit; \
+done; \
+$(SUB_MAKE) report MODEL="$$m"
+endef
+# The embedded models run side by side: a model's chain leaves much of the machine idle (start-ups, saves, export and
+# verify use one core), the other fills it (make pipeline measured here: 177 s against 215 s one after the other).
+# The first model's download runs first (it makes and marks the checkpoints root once). Each chain starts as a job of
+# its own (set -m: a process group; job control is off again after), stopped whole when another fails or on Ctrl-C. The first chain's output shows
+# live and each next one's once the one before it ends, from its start: it reads as if they ran in turn.
+# Real models (MODELS=) run one after another: each run takes all the cores or NeuronCores there are.
+define PIPELINE_SIDE_BY_SIDE
+jobs_dir="$$(mktemp -d)"; \
+trap 'for job in "$$jobs_dir"/*.pid; do [ -f "$$job" ] && kill -TERM -- "-$$(cat "$$job")" 2>/dev/null; done; rm -rf "$$jobs_dir"' EXIT; \
+$(SUB_MAKE) download MODEL=$(firstword $(PIPELINE_MODELS)); \
+set -m; for m in $(PIPELINE_MODELS); do ( $(PIPELINE_MODEL) ) > "$$jobs_dir/$$m.log" 2>&1 & echo $$! > "$$jobs_dir/$$m.pid"; done; set +m; \
+for m in $(PIPELINE_MODELS); do \
+  job="$$(cat "$$jobs_dir/$$m.pid")"; tail -n +1 --pid="$$job" -f "$$jobs_dir/$$m.log"; wait "$$job"; rm "$$jobs_dir/$$m.pid"; \
+done
+endef
+pipeline: setup ## the whole pipeline: every path (PATHS, default the registry's) of every model (MODELS, default the embedded tiny and tiny-moe, side by side): train, export, verify, report, then one table of every run
+	@set -e; $(if $(MODELS),for m in $(PIPELINE_MODELS); do ( $(PIPELINE_MODEL) ); done,$(PIPELINE_SIDE_BY_SIDE)); \
 	echo "== summary"; \
 	$(PIPE) summary --models $(PIPELINE_MODELS) --paths $(PIPELINE_PATHS)
 
