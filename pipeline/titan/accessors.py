@@ -134,3 +134,11 @@ def _make_hooked_checkpoint_manager():
             pass
 
     return HookedCheckpointManager
+
+
+def vocab_parallel_token_nll(local_logits, labels, tp_group, global_vocab_size: int):
+    """Each token's negative log-likelihood from this rank's vocabulary shard of the logits, exact over the whole
+    vocabulary (torchtitan's loss-parallel cross-entropy, reduction "none", with its fused backward)."""
+    from torchtitan.components.loss import _LossParallelCrossEntropy
+
+    return _LossParallelCrossEntropy.apply(local_logits, labels, tp_group, global_vocab_size, "none")

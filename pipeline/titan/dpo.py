@@ -37,12 +37,28 @@ SUMS = ("pairs", "loss", "rewards/chosen", "rewards/rejected", "rewards/accuraci
         "logps/chosen", "logps/rejected", "completion_logp", "completion_tokens")
 
 
-def sequence_logps(pred: torch.Tensor, labels: torch.Tensor, row_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def token_nll(pred: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Each token's cross-entropy ([N, V] logits, [N] labels; 0 where ignored), as torchtitan's loss computes it but
+    unreduced: under TP the lm_head hands each rank its vocabulary shard (a DTensor on Shard(-1), or the local shard
+    under torchtitan's spmd_types backend), and torchtitan's loss-parallel cross-entropy makes it exact."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torchtitan.distributed.spmd_types import current_spmd_mesh, spmd_mesh_size
+    from torchtitan.distributed.utils import get_spmd_backend
+
+    from pipeline.titan import accessors
+
+    if isinstance(pred, DTensor) and pred.placements == (Shard(pred.ndim - 1),):
+        return accessors.vocab_parallel_token_nll(pred.to_local(), labels, pred.device_mesh.get_group(), pred.shape[-1])
+    if get_spmd_backend() == "spmd_types" and spmd_mesh_size("tp") > 1:
+        return accessors.vocab_parallel_token_nll(pred, labels, current_spmd_mesh().get_group("tp"), vocab_size)
+    return F.cross_entropy(pred.float(), labels, reduction="none", ignore_index=IGNORE_INDEX)
+
+
+def sequence_logps(pred: torch.Tensor, labels: torch.Tensor, row_len: int,
+                   vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed log-probability of the label tokens per row, label tokens per row) of rows of `row_len` tokens:
-    [rows, row_len] batches (torchtitan 0.3.0) or the same rows folded end to end into [T] (main). Cross-entropy
-    per token, as torchtitan's loss computes it."""
-    per_token = F.cross_entropy(pred.reshape(-1, pred.shape[-1]).float(), labels.reshape(-1), reduction="none",
-                                ignore_index=IGNORE_INDEX)
+    [rows, row_len] batches (torchtitan 0.3.0) or the same rows folded end to end into [T] (main)."""
+    per_token = token_nll(pred.reshape(-1, pred.shape[-1]), labels.reshape(-1), vocab_size)
     return -per_token.view(-1, row_len).sum(dim=1), (labels.reshape(-1, row_len) != IGNORE_INDEX).sum(dim=1)
 
 
@@ -214,11 +230,11 @@ class PreferenceTrainer(PipelineTrainer):
         Returns (this rank's summed pair loss, detached; the SUMS of the pairs of every data-parallel rank)."""
         input_dict = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in input_dict.items()}
         inputs, labels, extra = self.post_dataloading_process(input_dict, labels.to(self.device))
-        model, row_len = self.model_parts[0], api.seq_len_of(self.config.training)
+        model, rows = self.model_parts[0], (api.seq_len_of(self.config.training), self.config.loss.global_vocab_size)
         with torch.no_grad(), self.reference.active(), self.train_context():
-            ref_logps, _ = sequence_logps(model(inputs, **extra), labels, row_len)
+            ref_logps, _ = sequence_logps(model(inputs, **extra), labels, *rows)
         with self.train_context():
-            logps, tokens = sequence_logps(model(inputs, **extra), labels, row_len)
+            logps, tokens = sequence_logps(model(inputs, **extra), labels, *rows)
             loss_sum, sums = pair_sums(logps, ref_logps, tokens, self.config.dpo_beta, self.config.dpo_loss)
             if train:
                 (loss_sum / self._global_pairs(labels)).backward()

@@ -185,9 +185,6 @@ def check_preference(spec: RunSpec) -> None:
             dataset.check_readable(dataset.DataSource("file", file, file, "preference"))
     if s.dpo_beta <= 0:
         raise PipelineError(f"dpo_beta = {s.dpo_beta}: DPO's β must be > 0.", "set dpo_beta > 0 (TRL's default: 0.1).")
-    if s.tensor_parallel > 1:  # its sequence log-probabilities read whole-vocabulary logits on each rank
-        raise PipelineError(f"DPO runs with tensor_parallel = 1 only (this run: {s.tensor_parallel}).",
-                            "set tensor_parallel = 1 (FSDP shards the model across the ranks instead).")
 
 
 def check_wandb(spec: RunSpec) -> None:

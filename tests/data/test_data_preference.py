@@ -112,8 +112,8 @@ def test_folded_rows_give_each_row_s_log_probability_as_unfolded_ones():
     assert folded_inputs["input"].shape == (rows * row_len,) and folded_labels.shape == (rows * row_len,)
     assert folded_inputs["positions"].tolist() == list(range(row_len)) * rows  # each row's own positions from 0
     logits = torch.randn(rows, row_len, vocab)
-    unfolded = dpo.sequence_logps(logits, labels, row_len)
-    folded = dpo.sequence_logps(logits.view(rows * row_len, vocab), folded_labels, row_len)
+    unfolded = dpo.sequence_logps(logits, labels, row_len, vocab)
+    folded = dpo.sequence_logps(logits.view(rows * row_len, vocab), folded_labels, row_len, vocab)
     expected = torch.stack([torch.log_softmax(logits[r], -1)[labels[r] != -100].gather(
         -1, labels[r][labels[r] != -100].unsqueeze(-1)).sum() for r in range(rows)])
     assert torch.allclose(unfolded[0], expected) and torch.allclose(folded[0], expected)

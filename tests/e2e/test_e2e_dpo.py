@@ -2,7 +2,8 @@
 batch (step 1: the policy is the reference, every pair's loss ln 2, the completion log-probabilities transformers'),
 the recorded masks (no prompt token labelled), the frozen reference (step 2's reference log-probabilities are step
 1's), and TRL 1.16's DPOTrainer after one optimizer step from the same weights, pairs, lr and β. The LoRA variant
-runs on two FSDP ranks. Two pairs make every batch the whole set, so data order is the same in both trainers."""
+runs on two FSDP ranks; full DPO on two FSDP ranks and on two TP ranks equals one rank. Two pairs make every batch the
+whole set, so data order is the same in both trainers."""
 
 from __future__ import annotations
 
@@ -175,22 +176,30 @@ def test_an_equal_pair_is_refused_before_launch(checkpoints, tmp_path):
     assert not (root / "tiny" / "runs" / "equal").exists()
 
 
-def test_full_dpo_on_two_fsdp_ranks_equals_one_rank(checkpoints, tmp_path):
-    """The same global batch of two pairs on 1 rank and on 2 FSDP ranks gives the same step-2 loss and rewards: the
-    policy's forward runs on the policy's weights after the reference's (FSDP keeps torchtitan's norm and lm_head
-    gathered after a forward; without a reshard the policy would reuse the reference's)."""
+def test_full_dpo_on_two_fsdp_ranks_and_on_two_tp_ranks_equals_one_rank(checkpoints, tmp_path):
+    """The same global batch of two pairs on 1 rank, on 2 FSDP ranks and on 2 TP ranks gives the same step-2 loss and
+    rewards. FSDP: the policy's forward runs on the policy's weights after the reference's (FSDP keeps torchtitan's
+    norm and lm_head gathered after a forward; without a reshard the policy would reuse the reference's). TP: each
+    rank holds half the vocabulary's logits, and torchtitan's loss-parallel cross-entropy makes every token's
+    log-probability exact."""
     from tiny_checkpoint import ok
 
     train, held, _ = _pairs(checkpoints, tmp_path)
     root = copy_model(checkpoints, tmp_path / "root", link=True)
-    for name, extra in (("one", {}), ("two", {"nproc_per_node": 2, "local_batch_size": 1})):
+    for name, extra in (("one", {}), ("two", {"nproc_per_node": 2, "local_batch_size": 1}),
+                        ("tp", {"nproc_per_node": 2, "tensor_parallel": 2, "data_parallel_shard": 1})):
         (tmp_path / name).mkdir()
         config = _config(tmp_path / name, held, **extra)
         ok(cli("train", "--model", "tiny", "--path", "native", "--config", str(config), "--dataset", str(train),
                "--name", name, root=root))
-    one, two = (_records(root / "tiny" / "runs" / name) for name in ("one", "two"))
+    one, two, tp = (_records(root / "tiny" / "runs" / name) for name in ("one", "two", "tp"))
     first = lambda records, step: next(r for r in records if r["step"] == step and "loss" in r)  # noqa: E731
     # the bounds of the TRL comparison: the same first AdamW step from sums taken in another order (2 ranks' reduction)
-    for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins"):
-        assert abs(first(one, 2)[key] - first(two, 2)[key]) <= TRL_TOLERANCE[key], (key, first(one, 2), first(two, 2))
+    for other in (two, tp):
+        for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins"):
+            assert abs(first(one, 2)[key] - first(other, 2)[key]) <= TRL_TOLERANCE[key], (key, first(one, 2), first(other, 2))
+        assert first(other, 1)["logps/chosen"] == pytest.approx(first(one, 1)["logps/chosen"], rel=1e-6)
     assert abs(first(two, 2)["rewards/margins"]) > 1e-4  # step 2's policy is not the reference: the check can fail
+    # the TP run ran on a tp mesh of 2, its data on one data-parallel rank (torchtitan's own log line)
+    logs = (root / "tiny" / "runs" / "tp" / "logs").glob("*/attempt_0/0/stdout.log")
+    assert "dp_shard=1, cp=1, tp=2" in "".join(log.read_text() for log in logs)
