@@ -228,7 +228,7 @@ PIPELINE_PATHS = $(if $(PATHS),$(foreach p,$(PATHS),$(call q,$(p))),$$($(PY) -m 
 SUB_MAKE = $(MAKE) --no-print-directory $(if $(call on,VERBOSE),,-s)
 pipeline: export PIPELINE_BRIEF = $(if $(call on,VERBOSE),0,1)
 # One model $$m: every path's train → export → verify, then its report.
-define PIPELINE_MODEL
+define ONE_MODEL
 for p in $(PIPELINE_PATHS); do \
   echo "== $$m $$p: train → export → verify"; \
   $(SUB_MAKE) "train-$$p" MODEL="$$m" FRESH=1 $(if $(MODELS),,DTYPE=float32) || exit; \
@@ -242,28 +242,28 @@ endef
 # its own (set -m: a process group; job control is off again after), stopped whole when another fails or on Ctrl-C. The first chain's output shows
 # live and each next one's once the one before it ends, from its start: it reads as if they ran in turn.
 # Real models (MODELS=) run one after another: each run takes all the cores or NeuronCores there are.
-define PIPELINE_SIDE_BY_SIDE
+define EMBEDDED_SIDE_BY_SIDE
 jobs_dir="$$(mktemp -d)"; \
 trap 'for job in "$$jobs_dir"/*.pid; do [ -f "$$job" ] && kill -TERM -- "-$$(cat "$$job")" 2>/dev/null; done; rm -rf "$$jobs_dir"' EXIT; \
 $(SUB_MAKE) download MODEL=$(firstword $(PIPELINE_MODELS)); \
-set -m; for m in $(PIPELINE_MODELS); do ( $(PIPELINE_MODEL) ) > "$$jobs_dir/$$m.log" 2>&1 & echo $$! > "$$jobs_dir/$$m.pid"; done; set +m; \
+set -m; for m in $(PIPELINE_MODELS); do ( $(ONE_MODEL) ) > "$$jobs_dir/$$m.log" 2>&1 & echo $$! > "$$jobs_dir/$$m.pid"; done; set +m; \
 for m in $(PIPELINE_MODELS); do \
   job="$$(cat "$$jobs_dir/$$m.pid")"; tail -n +1 --pid="$$job" -f "$$jobs_dir/$$m.log"; wait "$$job"; rm "$$jobs_dir/$$m.pid"; \
 done
 endef
 pipeline: setup ## the whole pipeline: every path (PATHS, default the registry's) of every model (MODELS, default the embedded tiny and tiny-moe, side by side): train, export, verify, report, then one table of every run
-	@set -e; $(if $(MODELS),for m in $(PIPELINE_MODELS); do ( $(PIPELINE_MODEL) ); done,$(PIPELINE_SIDE_BY_SIDE)); \
+	@set -e; $(if $(MODELS),for m in $(PIPELINE_MODELS); do ( $(ONE_MODEL) ); done,$(EMBEDDED_SIDE_BY_SIDE)); \
 	echo "== summary"; \
 	$(PIPE) summary --models $(PIPELINE_MODELS) --paths $(PIPELINE_PATHS)
 
 lint: setup-test ## ruff over the repository (the rules: pyproject.toml)
 	$(call q,$(VENV)/bin/ruff) check .
 
-# TEST_WORKERS pytest-xdist workers; a module's tests share one (tests/conftest.py groups them), so its fixtures are made once.
+# TEST_WORKERS pytest-xdist workers; a module's tests share one (tests/conftest.py schedules them), so its fixtures are made once.
 define XDIST
 @[[ $(call q,$(TEST_WORKERS)) =~ ^[1-9][0-9]*$$ ]] || { echo "error: TEST_WORKERS="$(call q,$(TEST_WORKERS))" is not a number of workers. Fix: give 1 or more (1: one worker)."; exit 2; }
 endef
-XDIST_FLAGS = -n $(call q,$(TEST_WORKERS)) --dist loadgroup
+XDIST_FLAGS = -n $(call q,$(TEST_WORKERS))
 test: setup-test lint setup-transformers4 setup-lm-eval setup-vllm ## lint, then the whole test suite, as CI runs it (CPU only; trains tiny models, rehearses the trn2 plan)
 	$(XDIST)
 	$(PY) -m pytest -q --durations=15 $(PYTEST_TMP) $(XDIST_FLAGS) -m "not titan_e2e" tests

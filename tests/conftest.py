@@ -84,6 +84,28 @@ def export_runs(embedded_checkpoints, tmp_path_factory) -> Path:
     return root
 
 
+# ---- pytest-xdist (`make test`): a module's tests run on one worker, so its module fixtures are made once; the
+# modules that read export_runs (which write into its runs) share one worker, so its training runs are made once.
+# pytest-xdist's own `--dist loadgroup` cannot say so under pytest 9 (it renames Node._nodeid, which pytest 9 no
+# longer reads): the scheduler is xdist's LoadScopeScheduling with this grouping, through xdist's hook for it.
+EXPORT_RUNS_READERS = {f"tests/{module}" for module in (
+    "e2e/test_e2e_hostile_runs_and_roots.py", "e2e/test_e2e_hostile_saved_state.py", "outputs/test_outputs_export.py",
+    "outputs/test_outputs_harness.py", "outputs/test_outputs_serve.py", "outputs/test_outputs_verify.py",
+    "stages/test_stages_publish.py")}
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's: without it installed, never called
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "export_runs" if module in EXPORT_RUNS_READERS else module
+
+    return ModuleScheduling(config, log)
+
+
 CONTAINER_TEST_FILE = "host/test_host_image.py"
 collect_ignore = [] if CONTAINER_TESTS else [CONTAINER_TEST_FILE]
 
@@ -113,11 +135,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         if item.path.relative_to(tests).as_posix().startswith(TITAN_TESTS):
             item.add_marker(pytest.mark.titan)
-    # Under pytest-xdist (`make test`: --dist loadgroup) a module's tests share a worker, so its module fixtures
-    # are made once; the modules that read export_runs share one, so its four training runs are made once too.
-    for item in items:
-        shares_runs = "export_runs" in getattr(item, "fixturenames", ())
-        item.add_marker(pytest.mark.xdist_group("export_runs" if shares_runs else item.path.relative_to(tests).as_posix()))
+    readers = {item.nodeid.split("::")[0] for item in items if "export_runs" in getattr(item, "fixturenames", ())}
+    if readers - EXPORT_RUNS_READERS:
+        raise pytest.UsageError(f"add {sorted(readers - EXPORT_RUNS_READERS)} to EXPORT_RUNS_READERS in tests/conftest.py "
+                                "(the modules that share export_runs' worker)")
     # The container tests run last: .ci/run builds their image in the background meanwhile, and in
     # alphabetical order the suite reached them first and waited for it (119 s of a cold-engine run, 2026-12-02).
     items.sort(key=lambda item: item.path.as_posix().endswith(CONTAINER_TEST_FILE))

@@ -170,8 +170,11 @@ def test_make_pipeline_passes_models_and_paths_as_data(tmp_path):
     script = recipe.split(" do ", 1)[0].removeprefix("set -e; ") + " do echo \"[$m]\"; done"
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout
     assert out == f"[tiny;date>{marker}]\n" and not marker.exists()
-    paths = next(line for line in result.stdout.splitlines() if line.lstrip().startswith("for p in"))
-    assert f"'native`date>{marker}`'" in paths
+    assert f"for p in 'native`date>{marker}`'; do" in recipe
+    # the embedded default (no MODELS: tiny and tiny-moe side by side) quotes PATHS the same way
+    side_by_side = subprocess.run(["make", "-n", "pipeline", f"PATHS=native`date>{marker}`"], cwd=REPO,
+                                  capture_output=True, text=True).stdout
+    assert side_by_side.count(f"for p in 'native`date>{marker}`'; do") == 1 and not marker.exists()
 
 
 def test_one_step_runs_the_conditions_of_the_expected_step1_loss():
