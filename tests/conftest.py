@@ -91,7 +91,7 @@ def export_runs(embedded_checkpoints, tmp_path_factory) -> Path:
 EXPORT_RUNS_READERS = {f"tests/{module}" for module in (
     "e2e/test_e2e_hostile_runs_and_roots.py", "e2e/test_e2e_hostile_saved_state.py", "outputs/test_outputs_export.py",
     "outputs/test_outputs_harness.py", "outputs/test_outputs_serve.py", "outputs/test_outputs_verify.py",
-    "stages/test_stages_publish.py")}
+    "outputs/test_outputs_verify_run.py", "stages/test_stages_publish.py")}
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's: without it installed, never called
