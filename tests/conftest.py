@@ -22,9 +22,14 @@ def digest_key():
     as a checkpoints root (the key must never lie under one)."""
     import tempfile
 
+    from pipeline.run import digest_key as keys
+
     folder = Path(tempfile.mkdtemp(prefix="pipeline-test-digest-key-"))
     key = folder / "dcp-digest.key"
     os.environ[envvars.DIGEST_KEY] = str(key)
+    # made now, as a user's first save makes it: a test that checks a recorded digest before any save of its
+    # pytest-xdist worker finds the key (each worker has its own)
+    keys.load(folder.parent / f"{folder.name}-guards-nothing", create=True)
     yield key
     shutil.rmtree(folder, ignore_errors=True)
 
