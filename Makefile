@@ -66,7 +66,7 @@ endif
 
 PY := $(call q,$(VENV)/bin/python)
 # Two pytest-xdist workers: much of the suite waits on subprocess start-up, imports and I/O, which a second
-# worker overlaps even on 2 cores (`make test`: 29 min in one process, measured in bench-free CI runs).
+# worker overlaps even on 2 cores (`make test` measured on 2 cores: 23 min on 2 workers, 29 min in one process).
 TEST_WORKERS ?= 2
 TITAN_MAIN_WHEEL ?= ../shared/wheels/torchtitan-main-2026-08-21/torchtitan-0.2.2-py3-none-any.whl
 # The upstream-main tier's venv: the dev venv's packages beneath it (a .pth line), with torchtitan main
@@ -238,9 +238,10 @@ $(SUB_MAKE) report MODEL="$$m"
 endef
 # The embedded models run side by side: a model's chain leaves much of the machine idle (start-ups, saves, export and
 # verify use one core), the other fills it (make pipeline measured here: 177 s against 215 s one after the other).
-# The first model's download runs first (it makes and marks the checkpoints root once). Each chain starts as a job of
-# its own (set -m: a process group; job control is off again after), stopped whole when another fails or on Ctrl-C. The first chain's output shows
-# live and each next one's once the one before it ends, from its start: it reads as if they ran in turn.
+# The first model's download runs first (it makes and marks the checkpoints root once). Each chain starts as a job
+# of its own (set -m: a process group; job control is off again after), stopped whole when another fails or on
+# Ctrl-C. The first chain's output shows live and each next one's once the one before it ends, from its start: it
+# reads as if they ran in turn.
 # Real models (MODELS=) run one after another: each run takes all the cores or NeuronCores there are.
 define EMBEDDED_SIDE_BY_SIDE
 jobs_dir="$$(mktemp -d)"; \
